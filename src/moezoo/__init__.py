@@ -1,0 +1,3 @@
+"""moezoo: a Hugging Face Hub-compatible zoo of multimodal Mixture-of-Experts models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks behind `moezoo bench`: ratios against transformers' own implementations, measured in one run."""

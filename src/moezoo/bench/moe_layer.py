@@ -1,0 +1,207 @@
+"""`moezoo bench moe-layer`: every experts implementation on identical weights, timed in one run.
+
+Implementations are timed round-robin (one call of each per round, median over rounds) so that the drift of a
+shared, noisy machine hits all of them alike; a dense matmul measured in the same run gives the peak against
+which each row's throughput is expressed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
+from ..terminal import console, print_table
+
+
+TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+DEFAULT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", SORTED_EXPERTS_IMPLEMENTATION)
+MODES = ("fwd", "fwd_bwd")
+# batched_mm materialises one weight matrix per (token, slot) pair; rows that would need more are skipped.
+BATCHED_MM_MEMORY_LIMIT_BYTES = 3 * 2**30
+
+
+@dataclass
+class BenchRow:
+    impl: str
+    tokens: int
+    mode: str
+    ms: float | None
+    gflops: float | None
+    pct_of_matmul_peak: float | None
+    max_abs_diff_vs_eager: float | None
+    # max over the compared tensors of max|Δ| / max|eager|: gradients of magnitude ~10-40 (routing weights, expert
+    # weights summed over many tokens) differ by ~1e-5 in absolute terms from any change of summation order.
+    max_rel_diff_vs_eager: float | None = None
+    speedup_vs_best_transformers: float | None = None
+    note: str = ""
+
+
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
+    """Best GFLOP/s of a dense (size x size) @ (size x size) matmul on this machine, now."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed):
+    torch.manual_seed(seed)
+    config = PreTrainedConfig()
+    spec = MoeLayerSpec(
+        hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k, expert_intermediate_size=expert_width
+    )
+    experts = SwiGLUExperts(config, spec).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=hidden**-0.5)
+        experts.down_proj.normal_(std=expert_width**-0.5)
+    return config, experts
+
+
+def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed):
+    generator = torch.Generator().manual_seed(seed + tokens)
+    hidden_states = torch.randn(tokens, hidden, generator=generator, dtype=torch.float32).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=generator)
+    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    return hidden_states, index, weights
+
+
+def _run(config, experts, impl, mode, hidden_states, index, weights):
+    """One call; returns the tensors to compare (output, then gradients for fwd_bwd)."""
+    config._experts_implementation = impl
+    if mode == "fwd":
+        with torch.no_grad():
+            return (experts(hidden_states, index, weights),)
+    experts.zero_grad(set_to_none=True)
+    x = hidden_states.detach().requires_grad_(True)
+    w = weights.detach().requires_grad_(True)
+    output = experts(x, index, w)
+    # A fixed, non-uniform upstream gradient (a stride-0 one from .sum() is not what models produce).
+    output.backward(torch.cos(torch.arange(output.numel(), dtype=output.dtype)).view_as(output))
+    return output.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+def _max_diffs(results, reference) -> tuple[float, float]:
+    absolute = [float((a.float() - b.float()).abs().max()) for a, b in zip(results, reference)]
+    relative = [diff / max(float(b.float().abs().max()), 1e-30) for diff, b in zip(absolute, reference)]
+    return max(absolute), max(relative)
+
+
+def run_moe_layer_bench(
+    tokens: Sequence[int] = (64, 2048, 8192),
+    num_experts: int = 64,
+    top_k: int = 8,
+    hidden: int = 512,
+    expert_width: int = 256,
+    dtype: torch.dtype = torch.float32,
+    implementations: Sequence[str] = DEFAULT_IMPLEMENTATIONS,
+    modes: Sequence[str] = MODES,
+    seconds_per_case: float = 6.0,
+    max_rounds: int = 25,
+    seed: int = 0,
+    on_case_done: Callable[[str], None] | None = None,
+) -> tuple[list[BenchRow], float]:
+    """Time every implementation on every (tokens, mode) case; returns the rows and the matmul peak (GFLOP/s)."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+    for impl in implementations:
+        if impl not in known:
+            raise ValueError(f"unknown experts implementation {impl!r}; registered: {', '.join(known)}")
+    config, experts = _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed)
+    peak = measure_matmul_peak(dtype)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    rows: list[BenchRow] = []
+    for num_tokens in tokens:
+        hidden_states, index, weights = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
+        pairs = num_tokens * top_k
+        forward_flops = 6 * pairs * hidden * expert_width
+        for mode in modes:
+            runnable, skipped = [], {}
+            for impl in implementations:
+                weight_copies = pairs * 3 * hidden * expert_width * element_size * (2 if mode == "fwd_bwd" else 1)
+                if impl == "batched_mm" and weight_copies > BATCHED_MM_MEMORY_LIMIT_BYTES:
+                    skipped[impl] = f"skipped: would copy {weight_copies / 2**30:.1f} GiB of expert weights"
+                else:
+                    runnable.append(impl)
+            reference = _run(config, experts, "eager", mode, hidden_states, index, weights)
+            diffs = {
+                impl: _max_diffs(_run(config, experts, impl, mode, hidden_states, index, weights), reference)
+                for impl in runnable
+            }
+            timings = _time_round_robin(
+                lambda impl: _run(config, experts, impl, mode, hidden_states, index, weights),
+                runnable,
+                seconds_per_case,
+                max_rounds,
+            )
+            flops = forward_flops * (3 if mode == "fwd_bwd" else 1)
+            case_rows = []
+            for impl in implementations:
+                if impl in skipped:
+                    case_rows.append(BenchRow(impl, num_tokens, mode, None, None, None, None, note=skipped[impl]))
+                    continue
+                seconds = timings[impl]
+                gflops = flops / seconds / 1e9
+                case_rows.append(
+                    BenchRow(impl, num_tokens, mode, seconds * 1e3, gflops, 100 * gflops / peak, *diffs[impl])
+                )
+            best = min(
+                (row.ms for row in case_rows if row.impl in TRANSFORMERS_IMPLEMENTATIONS and row.ms is not None),
+                default=None,
+            )
+            for row in case_rows:
+                if best is not None and row.ms is not None:
+                    row.speedup_vs_best_transformers = best / row.ms
+            rows.extend(case_rows)
+            if on_case_done:
+                on_case_done(f"{num_tokens} tokens, {mode}")
+    config._experts_implementation = None
+    return rows, peak
+
+
+def _time_round_robin(call, implementations, seconds_per_case, max_rounds) -> dict[str, float]:
+    """Median seconds per call of each implementation, one call of each per round (every implementation has
+    already run once, for the accuracy check, so no round is a cold start)."""
+    samples: dict[str, list[float]] = {impl: [] for impl in implementations}
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds < 3 or time.perf_counter() - started < seconds_per_case):
+        for impl in implementations:
+            start = time.perf_counter()
+            call(impl)
+            samples[impl].append(time.perf_counter() - start)
+        rounds += 1
+    return {impl: sorted(times)[len(times) // 2] for impl, times in samples.items()}
+
+
+def rows_as_dicts(rows: Sequence[BenchRow]) -> list[dict]:
+    return [asdict(row) for row in rows]
+
+
+def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str) -> None:
+    print_table(
+        f"{title}; dense matmul peak {peak:.0f} GFLOP/s",
+        ["impl", "tokens", "mode", "ms", "GFLOP/s", "% of peak", "max |Δ| vs eager", "rel |Δ|", "× best transformers"],
+        [
+            [r.impl, r.tokens, r.mode, r.ms, r.gflops, r.pct_of_matmul_peak, r.max_abs_diff_vs_eager,
+             r.max_rel_diff_vs_eager, r.note or r.speedup_vs_best_transformers]
+            for r in rows
+        ],
+    )
+    console.print(
+        "× best transformers: time of the fastest of eager / grouped_mm / batched_mm for that row, divided by the "
+        "row's time. rel |Δ|: max|Δ| / max|eager| over the output and, for fwd_bwd, every gradient."
+    )

@@ -1,0 +1,25 @@
+"""`moezoo demo`: one stage per part of the zoo, each building its own tiny models and synthetic data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..terminal import console
+from . import moe_core
+
+
+# (folder name, title, stage module); each stage has `run(out_dir, quick) -> dict`.
+STAGES = [
+    ("moe_core", "the shared sparse-MoE core", moe_core),
+]
+
+
+def run_demo(out: str | Path, quick: bool = False) -> dict[str, dict]:
+    out = Path(out)
+    results = {}
+    for number, (name, title, stage) in enumerate(STAGES, start=1):
+        console.rule(f"[bold]stage {number}/{len(STAGES)}: {title}")
+        results[name] = stage.run(out / name, quick=quick)
+    console.rule("[bold]done")
+    console.print(f"everything the demo wrote is under {out}/")
+    return results

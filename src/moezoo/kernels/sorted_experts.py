@@ -1,0 +1,299 @@
+"""moezoo's experts implementation for the CPU: tokens sorted by expert, one contiguous GEMM per expert.
+
+Select it on any model whose experts use `@use_experts_implementation` (ours and transformers' own, e.g.
+Qwen3.5-MoE) with `experts_implementation="moezoo"` or `model.set_experts_implementation("moezoo")`.
+
+Forward, for the S = T*k (token, slot) pairs sorted by expert:
+    xs  = x[token_of_pair]                                  one gather (S, H)
+    h_e = xs_e @ W_up[e]^T (+ b_up[e])                      one GEMM per expert into one buffer (S, 2I)
+    a   = act(gate) * up  (or act(h))                       (S, I)
+    y_e = (w_e * a_e) @ W_down[e]^T (+ w_e * b_down[e])     routing weights scale the narrower activation
+    out = index_add(y, token_of_pair)                       one scatter, no inverse permutation
+Backward is a hand-written `autograd.Function`: per expert one GEMM for each of dX and dW, weight gradients written
+straight into their final tensor, no weight gradient at all for frozen experts (LoRA, frozen layers), and the
+SwiGLU derivative fused in place. Other gates and activations are differentiated by recomputing them under
+autograd, so any `_apply_gate` / `act_fn` works.
+
+Why it is faster on the CPU than transformers' `grouped_mm` (measured by `moezoo bench moe-layer`): on CPU,
+`grouped_mm` is itself a loop of GEMMs, so the difference is everything around them. Buffers larger than glibc's
+mmap threshold (32 MiB) come back from the kernel as fresh pages on every allocation and are page-faulted on first
+write, which costs as much as the arithmetic on them; here every temporary of one call lives in a per-thread
+workspace that is reused from call to call, and fewer temporaries are made in the first place.
+`release_workspace()` returns that memory.
+
+Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
+torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate, grouped_mm_experts_forward
+from transformers.utils.import_utils import is_torchdynamo_compiling
+
+
+IMPLEMENTATION_NAME = "moezoo"
+
+
+class _Workspace(threading.local):
+    """Named scratch buffers that only grow; a buffer is valid until the next request under the same name."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (name, like.dtype, like.device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+_WORKSPACE = _Workspace()
+
+
+def release_workspace() -> None:
+    """Free the scratch memory this thread's calls have kept for reuse."""
+    _WORKSPACE.buffers.clear()
+
+
+class _Segments:
+    """The (token, slot) pairs of one call sorted by expert: `order` (S,) and each expert's row count.
+
+    Per-expert views are made with one `split` / `unbind` call each, which keeps the Python work per expert to a
+    single GEMM call: at small batches that overhead is comparable to the GEMMs themselves.
+    """
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+        flat_ids = top_k_index.reshape(-1)
+        self.order = torch.argsort(flat_ids, stable=True)
+        self.counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+        self.hit = [expert for expert, count in enumerate(self.counts) if count]
+
+    def rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-expert row blocks of a tensor whose rows follow `order`."""
+        return tensor.split(self.counts)
+
+
+def _matrices(weight: torch.Tensor, transposed_view: bool) -> tuple[torch.Tensor, ...]:
+    return (weight.transpose(1, 2) if transposed_view else weight).unbind(0)
+
+
+def _project(inputs, weight, bias, segments, transposed, out):
+    """Per expert `out_e = inputs_e @ W[e]^T + b[e]`; `weight` is (E, out, in), or (E, in, out) if transposed."""
+    matrices = _matrices(weight, not transposed)
+    input_rows, out_rows = segments.rows(inputs), segments.rows(out)
+    if bias is None:
+        for expert in segments.hit:
+            torch.mm(input_rows[expert], matrices[expert], out=out_rows[expert])
+    else:
+        for expert in segments.hit:
+            torch.addmm(bias[expert], input_rows[expert], matrices[expert], out=out_rows[expert])
+    return out
+
+
+def _project_back(grad, weight, segments, transposed, out):
+    """Per expert `out_e = grad_e @ W[e]`: the input gradient of `_project`."""
+    matrices = _matrices(weight, transposed)
+    grad_rows, out_rows = segments.rows(grad), segments.rows(out)
+    for expert in segments.hit:
+        torch.mm(grad_rows[expert], matrices[expert], out=out_rows[expert])
+    return out
+
+
+def _weight_grad(inputs, grad, weight, segments, transposed):
+    """Per expert `grad_e^T @ inputs_e` in a new gradient shaped like `weight`; experts without tokens get 0."""
+    result = torch.empty_like(weight)
+    left, right = segments.rows(inputs if transposed else grad), segments.rows(grad if transposed else inputs)
+    for expert, count in enumerate(segments.counts):
+        if count:
+            torch.mm(left[expert].t(), right[expert], out=result[expert])
+        else:
+            result[expert].zero_()
+    return result
+
+
+def _bias_grad(grad, bias, segments):
+    result = torch.zeros_like(bias)
+    grad_rows = segments.rows(grad)
+    for expert in segments.hit:
+        torch.sum(grad_rows[expert], dim=0, out=result[expert])
+    return result
+
+
+def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(a * b).sum(-1)` for (S, n) inputs without an (S, n) temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _has_fused_swiglu(module) -> bool:
+    return (
+        module.has_gate
+        and type(module)._apply_gate is _default_apply_gate
+        and isinstance(module.act_fn, (SiLUActivation, nn.SiLU))
+    )
+
+
+def _activate(module, projected: torch.Tensor) -> torch.Tensor:
+    """The experts' nonlinearity on the projected pairs (S, 2I) or (S, I) -> (S, I)."""
+    if _has_fused_swiglu(module):
+        gate, up = projected.chunk(2, dim=-1)
+        activated = _WORKSPACE.get("activated", tuple(gate.shape), gate)
+        return torch.ops.aten.silu.out(gate, out=activated).mul_(up)
+    return module._apply_gate(projected) if module.has_gate else module.act_fn(projected)
+
+
+def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
+                     projected):
+    """The forward pass, writing the up projection into `projected` (S, out_features of W_up).
+
+    Returns the output (T, H), the pair order, the segments and the per-pair routing weights (S, 1)."""
+    num_tokens, hidden_dim = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    segments = _Segments(top_k_index, up_weight.shape[0])
+    order = segments.order
+    token_of_pair = order // top_k
+
+    pair_states = _WORKSPACE.get("pair_states", (order.numel(), hidden_dim), hidden_states)
+    torch.index_select(hidden_states, 0, token_of_pair, out=pair_states)
+    _project(pair_states, up_weight, up_bias, segments, module.is_transposed, projected)
+    pair_weights = top_k_weights.reshape(-1).index_select(0, order).to(projected.dtype).unsqueeze(-1)
+    scaled = _activate(module, projected).mul_(pair_weights)
+    expert_out = _project(scaled, down_weight, None, segments, module.is_transposed, pair_states)
+    if down_bias is not None:
+        out_rows, weight_rows = segments.rows(expert_out), segments.rows(pair_weights)
+        for expert in segments.hit:
+            out_rows[expert].addmm_(weight_rows[expert], down_bias[expert].unsqueeze(0))
+
+    # Accumulate the k contributions of each token in fp32 whatever the model dtype.
+    if hidden_states.dtype in (torch.float16, torch.bfloat16):
+        output = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden_states.device)
+        output.index_add_(0, token_of_pair, expert_out.float())
+        output = output.to(hidden_states.dtype)
+    else:
+        output = hidden_states.new_zeros(num_tokens, hidden_dim).index_add_(0, token_of_pair, expert_out)
+    return output, order, segments, pair_weights
+
+
+class _SortedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module):
+        up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
+        projected = hidden_states.new_empty(top_k_index.numel(), up_features)  # kept for the backward pass
+        output, order, segments, pair_weights = _experts_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module, projected
+        )
+        ctx.save_for_backward(hidden_states, order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias)
+        ctx.segments = segments
+        ctx.module = module
+        ctx.top_k = top_k_index.shape[1]
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias = ctx.saved_tensors
+        segments, module, top_k = ctx.segments, ctx.module, ctx.top_k
+        transposed = module.is_transposed
+        need_x, _, need_weights, need_up_w, need_up_b, need_down_w, need_down_b, _ = ctx.needs_input_grad
+        num_pairs, hidden_dim = order.numel(), hidden_states.shape[-1]
+        token_of_pair = order // top_k
+
+        # One (S, H) scratch buffer serves, in turn, the gathered output gradient, the gathered inputs and the
+        # input gradient of the pairs.
+        pair_buffer = _WORKSPACE.get("pair_states", (num_pairs, hidden_dim), projected)
+        grad_pairs = torch.index_select(grad_output.to(projected.dtype), 0, token_of_pair, out=pair_buffer)
+
+        fused = _has_fused_swiglu(module)
+        if fused:
+            activated = _activate(module, projected)
+        else:
+            with torch.enable_grad():
+                projected = projected.detach().requires_grad_(True)
+                activated = _activate(module, projected)
+        grad_activated = _project_back(
+            grad_pairs, down_weight, segments, transposed,
+            _WORKSPACE.get("grad_activated", tuple(activated.shape), projected),
+        )
+        grad_weights = grad_down_b = grad_down_w = None
+        if need_weights:
+            pair_grad = _rowwise_dot(grad_activated, activated.detach())
+            if down_bias is not None:
+                grad_rows, pair_grad_rows = segments.rows(grad_pairs), segments.rows(pair_grad)
+                for expert in segments.hit:
+                    pair_grad_rows[expert].add_(grad_rows[expert] @ down_bias[expert])
+            grad_weights = torch.empty_like(pair_grad)
+            grad_weights[order] = pair_grad
+            grad_weights = grad_weights.view(-1, top_k).to(pair_weights.dtype)
+        if need_down_b:
+            grad_down_b = _bias_grad(grad_pairs * pair_weights, down_bias, segments)
+        if need_down_w:
+            scaled = activated.detach().mul_(pair_weights) if fused else activated.detach() * pair_weights
+            grad_down_w = _weight_grad(scaled, grad_pairs, down_weight, segments, transposed)
+        grad_activated.mul_(pair_weights)
+
+        if fused:
+            grad_projected = _swiglu_backward(projected, grad_activated)
+        else:
+            (grad_projected,) = torch.autograd.grad(activated, projected, grad_activated)
+
+        grad_up_w = grad_up_b = grad_x = None
+        if need_up_w:
+            pair_inputs = torch.index_select(hidden_states.to(projected.dtype), 0, token_of_pair, out=pair_buffer)
+            grad_up_w = _weight_grad(pair_inputs, grad_projected, up_weight, segments, transposed)
+        if need_up_b:
+            grad_up_b = _bias_grad(grad_projected, up_bias, segments)
+        if need_x:
+            grad_pair_inputs = _project_back(grad_projected, up_weight, segments, transposed, pair_buffer)
+            grad_x = torch.zeros(hidden_states.shape, dtype=grad_pair_inputs.dtype, device=grad_pair_inputs.device)
+            grad_x = grad_x.index_add_(0, token_of_pair, grad_pair_inputs).to(hidden_states.dtype)
+        return grad_x, None, grad_weights, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None
+
+
+def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> torch.Tensor:
+    """Gradient of `silu(gate) * up` w.r.t. `[gate | up]`, written into one (S, 2I) workspace buffer."""
+    gate, up = projected.chunk(2, dim=-1)
+    grad_projected = _WORKSPACE.get("grad_projected", tuple(projected.shape), projected)
+    grad_gate, grad_up = grad_projected.chunk(2, dim=-1)
+    silu_gate = torch.ops.aten.silu.out(gate, out=_WORKSPACE.get("activated", tuple(gate.shape), gate))
+    torch.mul(grad_activated, silu_gate, out=grad_up)
+    torch.ops.aten.silu_backward.grad_input(grad_activated.mul_(up), gate, grad_input=grad_gate)
+    return grad_projected
+
+
+def _unsupported(module, hidden_states: torch.Tensor) -> bool:
+    return (
+        hidden_states.device.type != "cpu"
+        or is_torchdynamo_compiling()
+        or module._is_expert_parallel
+        or module.has_post_expert_norm
+    )
+
+
+def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
+    if _unsupported(module, hidden_states):
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    if module.has_gate:
+        up_weight = module.gate_up_proj
+        up_bias = module.gate_up_proj_bias if module.has_bias else None
+    else:
+        up_weight = module.up_proj
+        up_bias = module.up_proj_bias if module.has_bias else None
+    down_bias = module.down_proj_bias if module.has_bias else None
+    inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _SortedExperts.apply(*inputs, module)
+    up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
+    projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_features), hidden_states)
+    return _experts_forward(*inputs, module, projected)[0]
+
+
+ExpertsInterface.register(IMPLEMENTATION_NAME, sorted_experts_forward)

@@ -1,0 +1,31 @@
+"""The shared sparse-MoE core: one implementation of routing and experts for every architecture of the zoo."""
+
+from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
+from .balancing import balanced_routers, update_routing_biases
+from .block import SparseMoeBlock
+from .experts import GeluExperts, GeluMLP, SwiGLUExperts, SwiGLUMLP
+from .initialization import init_moe_module
+from .losses import load_balancing_loss, router_z_loss
+from .router import TopKRouter
+from .spec import MoeLayerSpec
+from .statistics import RoutingStatistics, plot_routing_heatmap, record_routing
+
+
+__all__ = [
+    "SORTED_EXPERTS_IMPLEMENTATION",
+    "GeluExperts",
+    "GeluMLP",
+    "MoeLayerSpec",
+    "RoutingStatistics",
+    "SparseMoeBlock",
+    "SwiGLUExperts",
+    "SwiGLUMLP",
+    "TopKRouter",
+    "balanced_routers",
+    "init_moe_module",
+    "load_balancing_loss",
+    "plot_routing_heatmap",
+    "record_routing",
+    "router_z_loss",
+    "update_routing_biases",
+]

@@ -1,0 +1,40 @@
+"""Aux-loss-free balancing: the one call a training loop makes after each optimizer step.
+
+`moezoo.training.callbacks.RoutingBiasCallback` makes it from a `transformers.Trainer`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .router import TopKRouter
+
+
+def balanced_routers(model: nn.Module) -> list[TopKRouter]:
+    """The routers of `model` that carry a selection-only balancing bias."""
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and m.e_score_correction_bias is not None]
+
+
+@torch.no_grad()
+def update_routing_biases(model: nn.Module, sync_processes: bool = True) -> int:
+    """Apply one bias update to every balanced router of `model` from the assignments counted since the last call.
+
+    Counts accumulate over every training forward (all micro-batches of a gradient-accumulation step); with
+    `torch.distributed` initialised they are summed over all processes first, so every rank applies the same step.
+    Routers whose weight is frozen are skipped (their counts are discarded). Returns the number of routers updated.
+    """
+    routers = balanced_routers(model)
+    if not routers:
+        return 0
+    counts = torch.stack([router.tokens_per_expert for router in routers])
+    if sync_processes and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    updated = 0
+    for router, router_counts in zip(routers, counts):
+        if not router.weight.requires_grad:
+            router.tokens_per_expert.zero_()
+            continue
+        updated += router.update_bias(router_counts) is not None
+    return updated

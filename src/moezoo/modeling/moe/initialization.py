@@ -1,0 +1,34 @@
+"""Weight initialisation of the core's modules, for the `_init_weights` of every architecture.
+
+transformers calls `_init_weights` on each module that owns parameters; the core's routers and fused experts own
+3D or custom parameters that its generic rule does not cover. The `transformers.initialization` functions skip
+tensors already loaded from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import initialization as init
+
+from .experts import GeluExperts, SwiGLUExperts
+from .router import TopKRouter
+
+
+def init_moe_module(module: nn.Module, std: float) -> bool:
+    """Initialise `module` if it is a router or an experts module of the core; returns whether it was one."""
+    if isinstance(module, TopKRouter):
+        init.normal_(module.weight, mean=0.0, std=std)
+        if module.e_score_correction_bias is not None:
+            init.zeros_(module.e_score_correction_bias)
+        return True
+    if isinstance(module, SwiGLUExperts):
+        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+        return True
+    if isinstance(module, GeluExperts):
+        init.normal_(module.up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+        init.zeros_(module.up_proj_bias)
+        init.zeros_(module.down_proj_bias)
+        return True
+    return False

@@ -1,0 +1,44 @@
+"""The `moezoo` command: help, errors without tracebacks, and the moe-layer benchmark's JSON contract."""
+
+import json
+import subprocess
+import sys
+
+from moezoo.cli import main
+
+
+def moezoo(*args):
+    return subprocess.run([sys.executable, "-m", "moezoo.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_commands_with_examples():
+    result = moezoo("--help")
+    assert result.returncode == 0
+    assert "bench" in result.stdout and "demo" in result.stdout
+    bench_help = moezoo("bench", "moe-layer", "--help")
+    assert bench_help.returncode == 0 and "examples:" in bench_help.stdout
+
+
+def test_bench_moe_layer_json_rows():
+    result = moezoo(
+        "bench", "moe-layer", "--tokens", "16", "48", "--experts", "8", "--top-k", "2", "--hidden", "32",
+        "--expert-width", "16", "--seconds-per-case", "0.05", "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {row["impl"] for row in rows} == {"eager", "grouped_mm", "batched_mm", "moezoo"}
+    assert {(row["tokens"], row["mode"]) for row in rows} == {(t, m) for t in (16, 48) for m in ("fwd", "fwd_bwd")}
+    for row in rows:
+        assert {"impl", "tokens", "mode", "ms", "pct_of_matmul_peak", "max_abs_diff_vs_eager"} <= row.keys()
+        assert row["ms"] > 0 and 0 < row["pct_of_matmul_peak"]
+        assert row["max_abs_diff_vs_eager"] <= 1e-5
+        if row["impl"] == "eager":
+            assert row["max_abs_diff_vs_eager"] == 0
+
+
+def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys):
+    assert main(["bench", "moe-layer", "--tokens", "8", "--impl", "fastest", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown experts implementation 'fastest'" in err and "Traceback" not in err
+    assert main(["bench", "moe-layer", "--tokens", "8", "--top-k", "99", "--json"]) == 2
+    assert "num_experts_per_tok" in capsys.readouterr().err
