@@ -11,18 +11,26 @@ from . import __version__
 from .terminal import error_console
 
 
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, ConnectionError, ImportError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `convert` passes the options it does not know to the chosen converter's own parser.
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "run", None) is not _run_convert:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.converter_args = extra
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
     try:
         return args.run(args) or 0
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
+    except USER_ERRORS as error:
         if args.debug:
             raise
-        error_console.print(f"[bold red]error:[/] {error}")
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        error_console.print(f"[bold red]error:[/] {message}")
         return 2
 
 
@@ -35,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moezoo {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of errors")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_list(commands)
+    _add_create(commands)
+    _add_convert(commands)
+    _add_export(commands)
+    _add_push(commands)
     _add_bench(commands)
     _add_demo(commands)
     return parser
@@ -48,6 +61,189 @@ def _command(commands, name: str, help: str, examples: str) -> argparse.Argument
         epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def _add_list(commands) -> None:
+    parser = _command(
+        commands,
+        "list",
+        "the presets: every architecture and size by name, with parameter counts computed on the meta device",
+        """
+        moezoo list
+        moezoo list --json
+        """,
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list of presets")
+    parser.set_defaults(run=_run_list)
+
+
+def _run_list(args) -> int:
+    from .terminal import print_table
+    from .zoo import list_presets
+
+    summaries = list_presets()
+    if args.json:
+        print(json.dumps([summary.as_dict() for summary in summaries], indent=2))
+        return 0
+    print_table(
+        "moezoo presets",
+        ["name", "architecture", "total params", "active params", "base checkpoint", "converter"],
+        [
+            [s.name, s.architecture, _human(s.total_parameters), _human(s.active_parameters),
+             ", ".join(s.base_checkpoints) or "-", s.converter or "-"]
+            for s in summaries
+        ],
+    )
+    return 0
+
+
+def _human(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return str(count)
+
+
+def _add_create(commands) -> None:
+    parser = _command(
+        commands,
+        "create",
+        "write a randomly initialised model of a preset and its processor (the start of from-scratch training)",
+        """
+        moezoo create tiny-moe_vie --out tiny-moe-vie
+        moezoo create tiny-moe_vie --out tiny-moe-vie --seed 3 --overwrite
+        """,
+    )
+    parser.add_argument("preset")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.set_defaults(run=_run_create)
+
+
+def _run_create(args) -> int:
+    from .terminal import console
+    from .zoo import create_from_preset
+
+    out = create_from_preset(args.preset, args.out, seed=args.seed, overwrite=args.overwrite)
+    console.print(f"wrote {args.preset} (seed {args.seed}) to {out}")
+    return 0
+
+
+def _add_convert(commands) -> None:
+    parser = _command(
+        commands,
+        "convert",
+        "convert a source checkpoint (local folder or file, or a Hub repo id) into a moezoo architecture",
+        """
+        moezoo convert --list
+        moezoo convert --to moe_vie --from facebook/MoEViE-B16-224 --out moe-vie-b16
+        moezoo convert --to moe_vie --from ./siglip2-base --out upcycled --num-experts 32 --top-k 3
+        """,
+    )
+    parser.add_argument("--list", action="store_true", help="show the converters and what they take")
+    parser.add_argument("--to", dest="architecture", help="the architecture to convert into")
+    parser.add_argument("--from", dest="source", help="a local folder or file, or a Hub repo id")
+    parser.add_argument("--out")
+    parser.add_argument("--variant", help="the design to convert into, for architectures that have several")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.set_defaults(run=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from pathlib import Path
+
+    from .conversion.common import find_converter, local_source, save_conversion, source_kind
+    from .registry import CONVERTERS, get_architecture, resolve
+    from .terminal import console, print_table
+
+    if args.list:
+        print_table(
+            "moezoo converters",
+            ["name", "into", "takes", "variants", "description"],
+            [[c.name, c.architecture, ", ".join(c.sources), ", ".join(c.variants) or "-", c.description]
+             for c in CONVERTERS.values()],
+        )
+        return 0
+    missing = [flag for flag, value in (("--to", args.architecture), ("--from", args.source), ("--out", args.out))
+               if not value]
+    if missing:
+        raise ValueError(f"convert needs {', '.join(missing)} (or --list)")
+    get_architecture(args.architecture)
+    source = local_source(args.source)
+    converter = find_converter(args.architecture, source_kind(source), args.variant)
+    options_parser = argparse.ArgumentParser(prog=f"moezoo convert --to {args.architecture} ({converter.name})")
+    if converter.add_arguments:
+        resolve(converter.add_arguments)(options_parser)
+    options = vars(options_parser.parse_args(args.converter_args))
+    if args.variant:
+        options["variant"] = args.variant
+    with console.status(f"converting {args.source} with {converter.name}"):
+        result = resolve(converter.function)(source, **options)
+    out = save_conversion(result, converter, Path(args.out), overwrite=args.overwrite)
+    provenance = result.provenance
+    print_table(
+        f"converted into {args.architecture}",
+        ["source", "converter", "max |Δ| vs source", "output"],
+        [[str(args.source), converter.name, provenance.get("max_abs_diff"), str(out)]],
+    )
+    return 0
+
+
+def _add_export(commands) -> None:
+    parser = _command(
+        commands,
+        "export",
+        "write a flat folder that loads with trust_remote_code=True and can be pushed as is",
+        """
+        moezoo export tiny-moe-vie --out tiny-moe-vie-hub
+        moezoo export trained/ --out hub/ --repo-id my-org/my-moe-vie --max-shard-size 2GB
+        """,
+    )
+    parser.add_argument("source", help="a model folder (from create, convert, train or save_pretrained)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repo-id", help="the Hub id the model card's usage example loads (default: the folder name)")
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    from .hub.export import export_folder
+    from .terminal import console
+
+    with console.status(f"exporting {args.source}"):
+        out = export_folder(args.source, args.out, repo_id=args.repo_id, overwrite=args.overwrite,
+                            max_shard_size=args.max_shard_size)
+    console.print(f"exported {args.source} to {out}: load it with AutoModel.from_pretrained(..., trust_remote_code=True)")
+    return 0
+
+
+def _add_push(commands) -> None:
+    parser = _command(
+        commands,
+        "push",
+        "upload an exported folder to the Hub (uses HF_ENDPOINT and HF_TOKEN)",
+        """
+        moezoo push tiny-moe-vie-hub my-org/tiny-moe-vie
+        moezoo push hub/ my-org/my-moe-vie --private --revision experiments
+        """,
+    )
+    parser.add_argument("folder")
+    parser.add_argument("repo_id")
+    parser.add_argument("--private", action="store_true")
+    parser.add_argument("--revision", help="a branch to push to (created if needed)")
+    parser.set_defaults(run=_run_push)
+
+
+def _run_push(args) -> int:
+    from .hub.push import push_folder
+    from .terminal import console
+
+    with console.status(f"pushing {args.folder} to {args.repo_id}"):
+        url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision)
+    console.print(f"pushed: {url}")
+    return 0
 
 
 def _add_bench(commands) -> None:

@@ -1,11 +1,13 @@
 """The shared sparse-MoE core: one implementation of routing and experts for every architecture of the zoo."""
 
 from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
+from .accounting import ParameterCounts, count_parameters
 from .balancing import balanced_routers, update_routing_biases
 from .block import SparseMoeBlock
 from .experts import GeluExperts, GeluMLP, SwiGLUExperts, SwiGLUMLP
 from .initialization import init_moe_module
 from .losses import load_balancing_loss, router_z_loss
+from .pretrained import MoePreTrainedMixin
 from .router import TopKRouter
 from .spec import MoeLayerSpec
 from .statistics import RoutingStatistics, plot_routing_heatmap, record_routing
@@ -16,12 +18,15 @@ __all__ = [
     "GeluExperts",
     "GeluMLP",
     "MoeLayerSpec",
+    "MoePreTrainedMixin",
+    "ParameterCounts",
     "RoutingStatistics",
     "SparseMoeBlock",
     "SwiGLUExperts",
     "SwiGLUMLP",
     "TopKRouter",
     "balanced_routers",
+    "count_parameters",
     "init_moe_module",
     "load_balancing_loss",
     "plot_routing_heatmap",

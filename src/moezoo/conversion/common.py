@@ -1,0 +1,85 @@
+"""What every converter shares: where the source is, what it is, which converter takes it, how results are saved.
+
+A converter is a function `convert(source: Path, **options) -> ConversionResult` named in the catalogue
+(`moezoo.registry.Converter`); it accounts for every source tensor and measures its own fidelity against the
+source model (`provenance["max_abs_diff"]`), which the model card reports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..hub.folders import atomic_output_dir, write_provenance
+from ..registry import CONVERTERS, Converter
+
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@dataclass
+class ConversionResult:
+    model: Any  # a moezoo PreTrainedModel
+    processor: Any | None
+    # source, base_model, license, max_abs_diff (measured against the source model), notes, ...
+    provenance: dict = field(default_factory=dict)
+
+
+def local_source(source: str | Path) -> Path:
+    """A local file or folder as is; a Hub repo id is downloaded (needs a network, or the cache offline)."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if str(source).count("/") == 1 and not str(source).startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(str(source)))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+            raise FileNotFoundError(
+                f"{source} is neither a local path nor a reachable Hub repo ({type(error).__name__}: {error})"
+            ) from error
+    raise FileNotFoundError(f"{source} does not exist")
+
+
+def source_kind(path: Path) -> str:
+    """What a source is: the `model_type` of its config.json, or "pytorch-pickle" for a bare .pt/.pth/.bin."""
+    config = path / "config.json" if path.is_dir() else None
+    if config is not None and config.is_file():
+        model_type = json.loads(config.read_text()).get("model_type")
+        if not model_type:
+            raise ValueError(f"{config} has no model_type")
+        return model_type
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        return "pytorch-pickle"
+    if path.is_dir() and any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
+        return "pytorch-pickle"
+    raise ValueError(f"cannot tell what {path} is: no config.json and no .pt/.pth/.bin checkpoint")
+
+
+def find_converter(architecture: str, kind: str, variant: str | None = None) -> Converter:
+    candidates = [c for c in CONVERTERS.values() if c.architecture == architecture]
+    if not candidates:
+        raise KeyError(f"no converter produces {architecture!r}")
+    matching = [c for c in candidates if kind in c.sources and (variant is None or variant in c.variants)]
+    if not matching:
+        accepted = "; ".join(
+            f"{c.name}: {', '.join(c.sources)}" + (f" (variants {', '.join(c.variants)})" if c.variants else "")
+            for c in candidates
+        )
+        wanted = f"{kind!r}" + (f" with variant {variant!r}" if variant else "")
+        raise ValueError(f"no {architecture} converter takes a source of type {wanted}; converters: {accepted}")
+    return matching[0]
+
+
+def save_conversion(result: ConversionResult, converter: Converter, out: Path, overwrite: bool = False) -> Path:
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        result.model.save_pretrained(staging)
+        if result.processor is not None:
+            result.processor.save_pretrained(staging)
+        write_provenance(staging, result.provenance | {"converter": converter.name, "moezoo_version": __version__})
+    return out

@@ -1,0 +1,155 @@
+"""`moezoo export`: a model folder -> a flat folder that can be pushed to the Hub as is.
+
+The exported folder holds safetensors weights (sharded when large), the processor files, the architecture's code
+flattened into `configuration_*.py`, `modeling_*.py`, `processing_*.py` and the core modules they import, an
+`auto_map` for every Auto class the architecture serves, the provenance record and a rendered model card. It loads
+with `trust_remote_code=True` where moezoo is not installed, and without remote code where it is.
+
+Export reads the weights with moezoo's classes and writes fresh code files and `auto_map`s, so it also repairs
+folders saved after distributed training (platform.md §8.3: an FSDP2 save copies torch's wrapper files instead of
+the model's and writes a wrong `auto_map`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers.utils import logging as transformers_logging
+
+from .. import __version__
+from ..modeling.moe.accounting import count_parameters
+from ..registry import Architecture, get_architecture, resolve
+from .cards import render_model_card
+from .flatten import flatten_modules
+from .folders import atomic_output_dir, read_provenance, write_provenance
+
+
+def read_model_type(folder: Path) -> str:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json; export takes a model folder written by `moezoo create`, `moezoo convert`, "
+            "`moezoo train` or save_pretrained"
+        )
+    model_type = json.loads(config_path.read_text()).get("model_type")
+    if not model_type:
+        raise ValueError(f"{config_path} has no model_type; cannot tell which architecture it is")
+    return model_type
+
+
+def load_model_checked(architecture: Architecture, folder: Path):
+    """Load with moezoo's class and fail on any missing, unexpected or mismatched tensor, naming them.
+
+    transformers' own load report is silenced: the problems are reported here, in one error.
+    """
+    model_class = architecture.model_class()
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
+    except (RuntimeError, ValueError, OSError) as error:
+        raise ValueError(f"cannot load {folder} as {architecture.title}: {error}") from error
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        entries = sorted(_describe(entry) for entry in info.get(kind) or [])
+        if entries:
+            problems.append(f"{kind.replace('_', ' ')} ({len(entries)}): {', '.join(entries[:8])}"
+                            + (" ..." if len(entries) > 8 else ""))
+    if problems:
+        raise ValueError(
+            f"the weights in {folder} do not match its config ({architecture.title}): " + "; ".join(problems)
+        )
+    return model.eval()
+
+
+def _describe(entry) -> str:
+    """A key, or (key, checkpoint shape, model shape) for a mismatch."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        key, checkpoint_shape, model_shape = entry
+        return f"{key} (checkpoint {tuple(checkpoint_shape)}, config {tuple(model_shape)})"
+    return str(entry)
+
+
+def load_processor(architecture: Architecture, folder: Path):
+    if architecture.processor is None:
+        return None
+    if not (folder / "processor_config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no processor_config.json; a {architecture.title} folder needs its processor "
+            "(moezoo create and moezoo convert write one)"
+        )
+    return resolve(architecture.processor).from_pretrained(folder)
+
+
+def code_entry_modules(architecture: Architecture) -> list[str]:
+    paths = [architecture.config, *architecture.models.values()]
+    if architecture.processor:
+        paths += [architecture.processor, *architecture.processor_parts.values()]
+    return list(dict.fromkeys(path.partition(":")[0] for path in paths))
+
+
+def export_folder(
+    source: str | Path,
+    out: str | Path,
+    repo_id: str | None = None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    source, out = Path(source), Path(out)
+    architecture = get_architecture(read_model_type(source))
+    model = load_model_checked(architecture, source)
+    processor = load_processor(architecture, source)
+    provenance = read_provenance(source) | {"architecture": architecture.name, "moezoo_version": __version__}
+    counts = count_parameters(model)
+
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        model.save_pretrained(staging, max_shard_size=max_shard_size, safe_serialization=True)
+        if processor is not None:
+            processor.save_pretrained(staging)
+        entry_modules = code_entry_modules(architecture)
+        flat_names = flatten_modules(entry_modules, staging, {"moezoo", *(m.split(".")[0] for m in entry_modules)})
+        write_auto_maps(architecture, staging, flat_names)
+        write_provenance(staging, provenance)
+        card = render_model_card(
+            architecture, provenance, {"total": counts.total, "active": counts.active}, repo_id or out.name
+        )
+        card.save(staging / "README.md")
+    return out
+
+
+def _flat_reference(class_path: str, flat_names: dict[str, str]) -> str:
+    module, _, name = class_path.partition(":")
+    return f"{flat_names[module]}.{name}"
+
+
+def write_auto_maps(architecture: Architecture, folder: Path, flat_names: dict[str, str]) -> None:
+    """Point every Auto class the architecture serves at the flattened code (platform.md §1.1 layout)."""
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoConfig": _flat_reference(architecture.config, flat_names)} | {
+        auto_name: _flat_reference(path, flat_names) for auto_name, path in architecture.models.items()
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if architecture.processor is None:
+        return
+
+    processor_reference = _flat_reference(architecture.processor, flat_names)
+    parts = {name: _flat_reference(path, flat_names) for name, path in architecture.processor_parts.items()}
+    processor_path = folder / "processor_config.json"
+    processor_config = json.loads(processor_path.read_text())
+    processor_config["auto_map"] = {"AutoProcessor": processor_reference}
+    if "AutoImageProcessor" in parts and isinstance(processor_config.get("image_processor"), dict):
+        processor_config["image_processor"]["auto_map"] = {"AutoImageProcessor": parts["AutoImageProcessor"]}
+    processor_path.write_text(json.dumps(processor_config, indent=2, sort_keys=True) + "\n")
+
+    tokenizer_path = folder / "tokenizer_config.json"
+    if tokenizer_path.is_file():
+        tokenizer_config = json.loads(tokenizer_path.read_text())
+        auto_map = {"AutoProcessor": processor_reference}
+        if "AutoTokenizer" in parts:
+            auto_map["AutoTokenizer"] = [None, parts["AutoTokenizer"]]
+        tokenizer_config["auto_map"] = auto_map
+        tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")

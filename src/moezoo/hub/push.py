@@ -1,0 +1,57 @@
+"""`moezoo push`: upload an exported folder with huggingface_hub (honours HF_ENDPOINT and HF_TOKEN)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import HfHubHTTPError
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The network errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
+    errors: list[type[Exception]] = [OSError]
+    for module_name in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(module_name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
+def check_exported(folder: Path) -> None:
+    """An exported folder has its model card and the code every auto_map entry points to."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; push takes a folder written by `moezoo export`")
+    auto_map = json.loads(config_path.read_text()).get("auto_map") or {}
+    missing = sorted(
+        {ref.split(".")[0] + ".py" for ref in auto_map.values() if not (folder / (ref.split(".")[0] + ".py")).is_file()}
+    )
+    if not auto_map or missing or not (folder / "README.md").is_file():
+        raise ValueError(
+            f"{folder} is not an exported folder (auto_map, code files {missing or ''} or README.md missing); "
+            f"run `moezoo export {folder} --out <folder>` and push that"
+        )
+
+
+def push_folder(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None) -> str:
+    """Create the repo if needed (and the branch `revision`), upload the folder, return the commit URL."""
+    folder = Path(folder)
+    check_exported(folder)
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(folder_path=folder, repo_id=repo_id, revision=revision,
+                                   commit_message=f"Upload {folder.name} with moezoo")
+    except HfHubHTTPError as error:
+        raise ConnectionError(f"the Hub at {constants.ENDPOINT} refused the push of {repo_id}: {error}") from error
+    except _transport_errors() as error:  # connection refused, DNS failure, timeouts
+        raise ConnectionError(
+            f"cannot reach the Hub at {constants.ENDPOINT} ({type(error).__name__}: {error}); check HF_ENDPOINT, "
+            "HF_TOKEN and the network"
+        ) from error
+    return commit.commit_url

@@ -1,0 +1,1 @@
+"""One module per architecture: its catalogue entry, presets and converters, as data (see moezoo.registry)."""

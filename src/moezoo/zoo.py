@@ -1,0 +1,70 @@
+"""Working with presets: parameter counts (on the meta device) and randomly initialised models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .hub.folders import atomic_output_dir, write_provenance
+from .modeling.moe.accounting import ParameterCounts, count_parameters
+from .registry import PRESETS, Preset, get_architecture, get_preset, resolve
+
+
+@dataclass(frozen=True)
+class PresetSummary:
+    name: str
+    architecture: str
+    total_parameters: int
+    active_parameters: int
+    base_checkpoints: tuple[str, ...]
+    converter: str | None
+    description: str
+
+    def as_dict(self) -> dict:
+        return self.__dict__ | {"base_checkpoints": list(self.base_checkpoints)}
+
+
+def build_config(preset: Preset):
+    return get_architecture(preset.architecture).config_class()(**preset.config)
+
+
+def preset_parameters(preset: Preset) -> ParameterCounts:
+    """Counted from the model built on the meta device: no memory, no weights, exact shapes."""
+    architecture = get_architecture(preset.architecture)
+    with torch.device("meta"):
+        model = architecture.model_class()(build_config(preset))
+    return count_parameters(model)
+
+
+def list_presets() -> list[PresetSummary]:
+    summaries = []
+    for preset in PRESETS.values():
+        counts = preset_parameters(preset)
+        summaries.append(
+            PresetSummary(preset.name, preset.architecture, counts.total, counts.active, preset.base_checkpoints,
+                          preset.converter, preset.description)
+        )
+    return summaries
+
+
+def create_from_preset(name: str, out: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a randomly initialised model of `name` and its processor: the start of from-scratch training."""
+    preset = get_preset(name)
+    architecture = get_architecture(preset.architecture)
+    config = build_config(preset)
+    torch.manual_seed(seed)
+    model = architecture.model_class()(config)
+    processor = resolve(architecture.make_processor)(config) if architecture.make_processor else None
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        model.save_pretrained(staging)
+        if processor is not None:
+            processor.save_pretrained(staging)
+        write_provenance(
+            staging,
+            {"preset": preset.name, "seed": seed, "license": preset.license, "moezoo_version": __version__,
+             "initialisation": "random"},
+        )
+    return Path(out)

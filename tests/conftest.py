@@ -1,0 +1,52 @@
+"""Shared helpers: running code in a fresh Python process, with or without moezoo importable."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+TESTS = Path(__file__).resolve().parent
+# Makes the toy architecture of tests/toy_arch known to `import moezoo` in child processes.
+TOY_ENV = {"MOEZOO_EXTRA_PRESETS": "toy_arch.presets", "PYTHONPATH": str(TESTS)}
+# First lines of a child process in which neither moezoo nor the toy package can be imported.
+WITHOUT_MOEZOO = "import sys\nsys.modules['moezoo'] = None\nsys.modules['toy_arch'] = None\n"
+
+
+def run_python(code: str, env: dict | None = None, cwd=None, timeout: int = 300,
+               without_moezoo: bool = False) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter; fail the test with its output if it fails."""
+    code = (WITHOUT_MOEZOO if without_moezoo else "") + textwrap.dedent(code)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, f"child process failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def run_moezoo(*args, env: dict | None = None, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the `moezoo` command in a fresh process (without failing on a non-zero exit)."""
+    return subprocess.run(
+        [sys.executable, "-m", "moezoo.cli", *map(str, args)],
+        env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **TOY_ENV, **(env or {})},
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def toy_registered():
+    """Register the toy architecture in this process too."""
+    from moezoo.registry import ARCHITECTURES, register, register_auto_classes
+
+    sys.path.insert(0, str(TESTS))
+    from toy_arch import presets
+
+    if presets.ARCHITECTURE.name not in ARCHITECTURES:
+        register(presets.ARCHITECTURE, presets.PRESETS, presets.CONVERTERS)
+        register_auto_classes(presets.ARCHITECTURE)
+    return presets.ARCHITECTURE

@@ -1,0 +1,243 @@
+"""Export, model cards and the Hub round trip, proven on the toy architecture of tests/toy_arch.
+
+The same machinery serves every architecture; tests/test_architectures_hub.py repeats the round trip for each
+registered one.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file, save_file
+
+from conftest import TESTS, TOY_ENV, run_moezoo, run_python
+
+
+@pytest.fixture(scope="module")
+def toy_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    created = run_moezoo("create", "tiny-moezoo_toy", "--out", root / "created", "--seed", "3")
+    assert created.returncode == 0, created.stderr
+    exported = run_moezoo("export", root / "created", "--out", root / "exported", "--repo-id", "zoo/toy")
+    assert exported.returncode == 0, exported.stderr
+    return root / "created", root / "exported"
+
+
+def state_dict_of(folder):
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_exported_folder_is_flat_and_complete(toy_folders):
+    _, exported = toy_folders
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "README.md",
+            "moezoo.json", "configuration_toy.py", "modeling_toy.py", "processing_toy.py",
+            "modeling_moe_block.py", "kernels_sorted_experts.py"} <= names
+    assert not any(p.is_dir() for p in exported.iterdir())
+    for code_file in exported.glob("*.py"):
+        text = code_file.read_text()
+        assert not re.search(r"^\s*(from|import)\s+(moezoo|toy_arch)\b", text, re.M), code_file.name
+        assert not re.search(r"^\s*from\s+\.\.", text, re.M), code_file.name
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_toy.ToyMoeConfig",
+        "AutoModel": "modeling_toy.ToyMoeModel",
+        "AutoModelForSequenceClassification": "modeling_toy.ToyMoeForSequenceClassification",
+    }
+    processor_config = json.loads((exported / "processor_config.json").read_text())
+    assert processor_config["auto_map"] == {"AutoProcessor": "processing_toy.ToyMoeProcessor"}
+    assert processor_config["image_processor"]["auto_map"] == {
+        "AutoImageProcessor": "processing_toy.ToyMoeImageProcessor"}
+
+
+def test_fresh_process_without_moezoo_loads_every_auto_class(toy_folders):
+    created, exported = toy_folders
+    result = run_python(f"""
+        import numpy as np, torch
+        from PIL import Image
+        from safetensors.torch import load_file
+        from transformers import (AutoConfig, AutoImageProcessor, AutoModel, AutoModelForSequenceClassification,
+                                  AutoProcessor)
+        try:
+            import moezoo
+            raise SystemExit("moezoo should not be importable here")
+        except ImportError:
+            pass
+        path = {str(exported)!r}
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+        AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True)
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
+        AutoImageProcessor.from_pretrained(path, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model)
+        assert model.config._experts_implementation == "moezoo"
+        reference = load_file({str(created / "model.safetensors")!r})
+        state = model.state_dict()
+        assert set(reference) == set(state)
+        assert all(torch.equal(reference[k], state[k]) for k in reference)
+        inputs = processor(text=["a photo of a cat", "red"], images=[Image.fromarray(np.zeros((9, 7, 3), np.uint8))] * 2,
+                           return_tensors="pt", padding=True)
+        with torch.no_grad():
+            print(tuple(model(**inputs).pooler_output.shape))
+    """, without_moezoo=True)
+    assert "(2, 16)" in result.stdout
+
+
+def test_installed_moezoo_loads_without_remote_code(toy_folders):
+    _, exported = toy_folders
+    result = run_python(f"""
+        import moezoo
+        from transformers import AutoModel, AutoProcessor
+        model = AutoModel.from_pretrained({str(exported)!r})
+        processor = AutoProcessor.from_pretrained({str(exported)!r})
+        print(type(model).__module__, type(processor).__module__)
+    """, env=TOY_ENV)
+    assert result.stdout.split() == ["toy_arch.modeling_toy", "toy_arch.processing_toy"]
+
+
+def test_model_card_parses_and_its_usage_snippet_runs(toy_folders):
+    _, exported = toy_folders
+    card = ModelCard.load(exported / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "feature-extraction"
+    assert {"mixture-of-experts", "moezoo_toy"} <= set(data["tags"])
+    snippet = re.search(r"```python\n(.*?)```", card.text, re.S).group(1)
+    assert '"zoo/toy"' in snippet
+    # Run it against the local folder, in a process where moezoo cannot be imported.
+    result = run_python(snippet.replace('"zoo/toy"', repr(str(exported))), without_moezoo=True)
+    assert "torch.Size([1, 16])" in result.stdout
+
+
+def test_large_models_are_sharded(toy_folders, tmp_path):
+    created, _ = toy_folders
+    result = run_moezoo("export", created, "--out", tmp_path / "sharded", "--max-shard-size", "2KB")
+    assert result.returncode == 0, result.stderr
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert state_dict_of(tmp_path / "sharded").keys() == state_dict_of(created).keys()
+    run_python(f"""
+        from transformers import AutoModel
+        AutoModel.from_pretrained({str(tmp_path / "sharded")!r}, trust_remote_code=True)
+    """, without_moezoo=True)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+def broken_copy(created, tmp_path, edit_state=None, edit_config=None):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for path in created.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    if edit_state:
+        state = load_file(folder / "model.safetensors")
+        edit_state(state)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if edit_config:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "edit_state,edit_config,message",
+    [
+        (lambda s: s.pop("blocks.1.experts.down_proj"), None, "missing keys .*blocks.1.experts.down_proj"),
+        (lambda s: s.update(extra_head=torch.zeros(2)), None, "unexpected keys .*extra_head"),
+        (None, lambda c: c.update(num_experts=6), "blocks.0.experts"),
+        (None, lambda c: c.update(model_type="not_a_zoo_model"), "unknown architecture 'not_a_zoo_model'"),
+    ],
+    ids=["missing", "extra", "config-mismatch", "unknown-architecture"],
+)
+def test_export_refuses_broken_folders_and_leaves_nothing_behind(toy_folders, tmp_path, edit_state, edit_config,
+                                                                 message):
+    created, _ = toy_folders
+    folder = broken_copy(created, tmp_path, edit_state, edit_config)
+    result = run_moezoo("export", folder, "--out", tmp_path / "out")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert re.search(message, " ".join(result.stderr.split())), result.stderr
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_commands_refuse_to_overwrite_without_asking(toy_folders, tmp_path):
+    created, _ = toy_folders
+    (tmp_path / "taken").mkdir()
+    result = run_moezoo("export", created, "--out", tmp_path / "taken")
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    assert run_moezoo("export", created, "--out", tmp_path / "taken", "--overwrite").returncode == 0
+    assert (tmp_path / "taken" / "config.json").is_file()
+
+
+# --- push and pull ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_hub(tmp_path):
+    server = subprocess.Popen([sys.executable, str(TESTS / "fake_hub.py")], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(server.stdout.readline())
+        yield {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_TOKEN": "hf_dummy", "HF_HOME": str(tmp_path / "hf"),
+               "HF_HUB_DISABLE_XET": "1"}
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_push_then_pull_in_a_fresh_process_then_offline(toy_folders, fake_hub):
+    created, exported = toy_folders
+    pushed = run_moezoo("push", exported, "zoo/toy", env=fake_hub)
+    assert pushed.returncode == 0, pushed.stderr
+    load = f"""
+        import numpy as np, torch
+        from PIL import Image
+        from safetensors.torch import load_file
+        from transformers import AutoModel, AutoProcessor
+        model = AutoModel.from_pretrained("zoo/toy", trust_remote_code=True)
+        processor = AutoProcessor.from_pretrained("zoo/toy", trust_remote_code=True)
+        reference = load_file({str(created / "model.safetensors")!r})
+        assert all(torch.equal(reference[k], v) for k, v in model.state_dict().items())
+        assert type(model.config) is model.config_class
+        inputs = processor(text=["a cat"], images=[Image.fromarray(np.zeros((8, 8, 3), np.uint8))], return_tensors="pt")
+        print("pooled", tuple(model(**inputs).pooler_output.shape))
+    """
+    assert "pooled (1, 16)" in run_python(load, env=fake_hub, without_moezoo=True).stdout
+    offline = run_python(load, env=fake_hub | {"HF_HUB_OFFLINE": "1"}, without_moezoo=True)
+    assert "pooled (1, 16)" in offline.stdout
+
+
+def test_push_to_a_branch(toy_folders, fake_hub):
+    _, exported = toy_folders
+    assert run_moezoo("push", exported, "zoo/branchy", "--revision", "experiment", env=fake_hub).returncode == 0
+    run_python("""
+        from transformers import AutoModel
+        AutoModel.from_pretrained("zoo/branchy", revision="experiment", trust_remote_code=True)
+    """, env=fake_hub, without_moezoo=True)
+
+
+def test_push_without_a_reachable_endpoint_fails_clearly(toy_folders, tmp_path):
+    _, exported = toy_folders
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_moezoo("push", exported, "zoo/toy", env={"HF_ENDPOINT": f"http://127.0.0.1:{port}",
+                                                          "HF_TOKEN": "hf_dummy", "HF_HOME": str(tmp_path)})
+    assert result.returncode == 2
+    assert f"cannot reach the Hub at http://127.0.0.1:{port}" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+
+
+def test_push_refuses_a_folder_that_was_not_exported(toy_folders, fake_hub):
+    created, _ = toy_folders
+    result = run_moezoo("push", created, "zoo/toy", env=fake_hub)
+    assert result.returncode == 2 and "moezoo export" in result.stderr
