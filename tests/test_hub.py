@@ -241,3 +241,49 @@ def test_push_refuses_a_folder_that_was_not_exported(toy_folders, fake_hub):
     created, _ = toy_folders
     result = run_moezoo("push", created, "zoo/toy", env=fake_hub)
     assert result.returncode == 2 and "moezoo export" in result.stderr
+
+
+@pytest.mark.slow
+def test_export_repairs_a_folder_saved_after_fsdp_training(toy_folders, tmp_path):
+    """platform.md §8.3: saving a remote-code model after native FSDP2 copies torch's wrapper files and points
+    auto_map at `_fsdp_init.FSDP...`; exporting that folder gives one that loads again."""
+    _, exported = toy_folders
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import sys, torch
+sys.modules["moezoo"] = None
+from transformers import AutoModel, AutoProcessor, Trainer, TrainingArguments
+from transformers.distributed import DistributedConfig
+model = AutoModel.from_pretrained({str(exported)!r}, trust_remote_code=True,
+                                  distributed_config=DistributedConfig(fsdp_size=2))
+processor = AutoProcessor.from_pretrained({str(exported)!r}, trust_remote_code=True)
+class PooledNormTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).pooler_output.pow(2).mean()
+data = [{{"input_ids": torch.randint(0, 12, (6,))}} for _ in range(8)]
+args = TrainingArguments(output_dir={str(tmp_path / "checkpoints")!r}, per_device_train_batch_size=2, max_steps=2,
+                         use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+trainer = PooledNormTrainer(model=model, args=args, train_dataset=data, processing_class=processor)
+trainer.train()
+trainer.save_model({str(tmp_path / "trained")!r})
+""")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = tmp_path / "trained"
+    assert json.loads((trained / "config.json").read_text())["auto_map"]["AutoModel"].startswith("_fsdp")
+    assert run_moezoo("export", trained, "--out", tmp_path / "repaired").returncode == 0
+    run_python(f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained({str(tmp_path / "repaired")!r}, trust_remote_code=True)
+        trained = load_file({str(trained / "model.safetensors")!r})
+        assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
+    """, without_moezoo=True)
