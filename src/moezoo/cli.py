@@ -87,9 +87,12 @@ def _run_list(args) -> int:
         return 0
     print_table(
         "moezoo presets",
-        ["name", "architecture", "total params", "active params", "base checkpoint", "converter"],
+        ["name", "architecture", "total params", "active params", "as the paper counts", "base checkpoint",
+         "converter"],
         [
             [s.name, s.architecture, _human(s.total_parameters), _human(s.active_parameters),
+             f"{' + '.join(s.paper_counted_modules)}: {_human(s.paper_total_parameters)} / "
+             f"{_human(s.paper_active_parameters)}" if s.paper_counted_modules else "-",
              ", ".join(s.base_checkpoints) or "-", s.converter or "-"]
             for s in summaries
         ],

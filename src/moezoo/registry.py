@@ -37,6 +37,9 @@ class Architecture:
     tags: tuple[str, ...] = ()
     # Sub-config model_types that must be registered with AutoConfig too (vision/text towers).
     sub_configs: Mapping[str, str] = field(default_factory=dict)
+    # The submodules the paper's parameter counts cover, if not the whole model (MoE-ViE counts its vision tower
+    # with its projection).
+    paper_counted_modules: tuple[str, ...] = ()
 
     def model_class(self, auto_class: str | None = None):
         """The class serving `auto_class` (default: the primary model class)."""
@@ -76,7 +79,7 @@ PRESETS: dict[str, Preset] = {}
 CONVERTERS: dict[str, Converter] = {}
 
 # One module per architecture under moezoo/presets/, added as each architecture lands.
-PRESET_MODULES: tuple[str, ...] = ()
+PRESET_MODULES: tuple[str, ...] = ("moe_vie",)
 # Modules of architectures outside moezoo (a comma-separated list of importable modules with the same three
 # attributes), loaded after moezoo's own: how a project adds its architectures to the `moezoo` command.
 EXTRA_PRESET_MODULES_ENV = "MOEZOO_EXTRA_PRESETS"
@@ -136,8 +139,8 @@ def register_auto_classes(architecture: Architecture) -> None:
         transformers.AutoProcessor.register(config_class, resolve(architecture.processor), exist_ok=True)
     for auto_name, class_path in architecture.processor_parts.items():
         part = resolve(class_path)
-        if auto_name == "AutoImageProcessor":
-            transformers.AutoImageProcessor.register(config_class, slow_image_processor_class=part, exist_ok=True)
+        if auto_name == "AutoImageProcessor":  # moezoo's image processors run on the PIL backend (no torchvision)
+            transformers.AutoImageProcessor.register(config_class, image_processor_classes={"pil": part}, exist_ok=True)
         elif auto_name == "AutoTokenizer":
             transformers.AutoTokenizer.register(config_class, tokenizer_class=part, exist_ok=True)
         else:

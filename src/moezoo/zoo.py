@@ -22,30 +22,42 @@ class PresetSummary:
     base_checkpoints: tuple[str, ...]
     converter: str | None
     description: str
+    # The counts of the part the paper counts (e.g. MoE-ViE's vision tower), when that is not the whole model.
+    paper_counted_modules: tuple[str, ...] = ()
+    paper_total_parameters: int | None = None
+    paper_active_parameters: int | None = None
 
     def as_dict(self) -> dict:
-        return self.__dict__ | {"base_checkpoints": list(self.base_checkpoints)}
+        return self.__dict__ | {"base_checkpoints": list(self.base_checkpoints),
+                                "paper_counted_modules": list(self.paper_counted_modules)}
 
 
 def build_config(preset: Preset):
     return get_architecture(preset.architecture).config_class()(**preset.config)
 
 
-def preset_parameters(preset: Preset) -> ParameterCounts:
-    """Counted from the model built on the meta device: no memory, no weights, exact shapes."""
+def preset_parameters(preset: Preset) -> tuple[ParameterCounts, ParameterCounts | None]:
+    """Counted from the model built on the meta device (no memory, no weights, exact shapes): the whole model, and
+    the part the paper counts if the architecture names one."""
     architecture = get_architecture(preset.architecture)
     with torch.device("meta"):
         model = architecture.model_class()(build_config(preset))
-    return count_parameters(model)
+    parts = [count_parameters(model.get_submodule(name)) for name in architecture.paper_counted_modules]
+    paper_counts = ParameterCounts(sum(p.total for p in parts), sum(p.active for p in parts)) if parts else None
+    return count_parameters(model), paper_counts
 
 
 def list_presets() -> list[PresetSummary]:
     summaries = []
     for preset in PRESETS.values():
-        counts = preset_parameters(preset)
+        counts, paper_counts = preset_parameters(preset)
         summaries.append(
-            PresetSummary(preset.name, preset.architecture, counts.total, counts.active, preset.base_checkpoints,
-                          preset.converter, preset.description)
+            PresetSummary(
+                preset.name, preset.architecture, counts.total, counts.active, preset.base_checkpoints,
+                preset.converter, preset.description,
+                get_architecture(preset.architecture).paper_counted_modules,
+                paper_counts.total if paper_counts else None, paper_counts.active if paper_counts else None,
+            )
         )
     return summaries
 

@@ -1,0 +1,382 @@
+"""SigLIP / SigLIP2 -> a MoE-ViE-style model by dense-to-MoE upcycling, exact at initialisation (spec moe_vie.md §6.2).
+
+The paper trains MoE-ViE from scratch; this is the team's extension. Each vision MLP of `moe_layers`,
+`y = W2 act(W1 x + b1) + b2` with `I` hidden units, is cut into `granularity` (c) contiguous chunks of `I / c` units;
+an MLP is exactly the sum over its hidden units, so it is the sum of its chunks. Then:
+
+- the `n_shared_experts` (m) shared experts hold chunks `0..m-1` (fused into one MLP) and carry `b2`;
+- routed expert `e` holds chunk `m + e mod (c - m)`: the first `c - m` routed experts (the *designated* ones) hold
+  the remaining chunks once each, the others are copies;
+- if `top_k` > `c - m`, the next `top_k - (c - m)` routed experts are *null* experts (their `down_proj` is zero);
+- the router weight is zero, so every affinity is 1/2 and every renormalised gate is `1 / top_k`; the balancing bias
+  is `router_bias` (delta) on the designated and null experts, so every token selects exactly those `top_k`;
+- `routed_scaling_factor = top_k` turns the gates back into 1: the MoE output equals the dense MLP for every input.
+
+Everything else (attention, norms, positions, pooling head, text tower, `logit_scale`, `logit_bias`) is copied,
+and the model uses the SigLIP profile of the configuration (spec §5.1). `mode="noisy"` draws the router weight
+from N(0, router_std^2) instead: routes are unchanged at first (delta dominates) but the gates differ, so equality
+becomes approximate (relative deviation O(router_std * |x|)).
+
+FixRes SigLIP checkpoints (`model_type: siglip`, e.g. google/siglip2-base-patch16-224) have a Conv2d patch embedding
+(flattened to the linear one in (py, px, c) order, exact) and a fixed position grid; NaFlex SigLIP2 checkpoints
+(`siglip2`) are converted as they are.
+"""
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel
+from transformers.image_utils import PILImageResampling
+from transformers.initialization import no_init_weights
+
+from ..configuration.moe_vie import MoeVieConfig
+from ..modeling.moe.accounting import count_parameters
+from ..modeling.moe_vie import MoeVieModel
+from ..processors.build import make_moe_vie_processor
+from .common import ConversionResult
+
+
+SOURCE_MODEL_TYPES = ("siglip", "siglip2")
+MODES = ("exact", "noisy")
+LICENSE = "apache-2.0"
+_VISION_MLP = re.compile(r"vision_model\.encoder\.layers\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)")
+
+
+def upcycle_siglip_checkpoint(
+    source: str | Path | PreTrainedModel,
+    num_experts: int = 32,
+    granularity: int = 4,
+    top_k: int = 3,
+    n_shared_experts: int = 1,
+    moe_layers: list[int] | None = None,
+    mode: str = "exact",
+    router_std: float = 1e-3,
+    router_bias: float = 1.0,
+    seed: int = 0,
+    verify: bool = True,
+) -> tuple[MoeVieModel, dict]:
+    """Upcycle a SigLIP or SigLIP2 dual encoder into a `MoeVieModel`.
+
+    Args:
+        source: a loaded `SiglipModel` / `Siglip2Model`, or a folder (or Hub id) that `AutoModel` loads as one.
+        num_experts: experts per MoE layer, shared ones included (32 in MoE-ViE).
+        granularity: how many experts one dense MLP is cut into (`c`; 4 in MoE-ViE); must divide its width.
+        top_k: routed experts per token (`k_r`), at least `granularity - n_shared_experts`.
+        n_shared_experts: shared experts (`m`), fewer than `granularity`.
+        moe_layers: vision blocks to upcycle (default: all but the first, as in MoE-ViE).
+        mode: `"exact"` (zero router) or `"noisy"` (router weight ~ N(0, router_std^2), seeded by `seed`).
+        router_bias: the selection bias delta of the designated and null experts; >= 1 keeps the initial routes
+            in noisy mode too, since affinities lie in (0, 1).
+        verify: run both models on a synthetic batch with padding and report the largest differences.
+
+    Returns:
+        The model in eval mode and a report (source, options, key accounting, parameter counts, licence and the
+        measured `max_abs_diff` against the source).
+    """
+    source_model = _load_source(source)
+    source_config = source_model.config
+    vision_source = source_config.vision_config
+    if moe_layers is None:
+        moe_layers = list(range(1, vision_source.num_hidden_layers))
+    plan = _UpcyclingPlan(vision_source.intermediate_size, num_experts, granularity, top_k, n_shared_experts)
+    _check_options(mode, router_std, router_bias)
+    router_std = router_std if mode == "noisy" else 0.0
+    config = _moe_vie_config(source_config, plan, moe_layers)
+
+    with no_init_weights():
+        model = MoeVieModel(config)
+    generator = torch.Generator().manual_seed(seed)
+    state_dict, accounting = _upcycled_state_dict(
+        source_model.state_dict(), set(model.state_dict()), plan, set(config.vision_config.moe_layers), router_std,
+        router_bias, generator,
+    )
+    model.load_state_dict(state_dict, strict=True)
+    model.eval()
+
+    differences = _measure_differences(source_model, model) if verify else None
+    vision = count_parameters(model.vision_model)
+    source_name = source_config.name_or_path or None  # a folder or Hub id; empty for a model built in memory
+    report = {
+        "source": source_name or type(source_model).__name__,
+        "source_model_type": source_config.model_type,
+        "base_model": source_name,
+        "license": LICENSE,
+        "label": "MoE-ViE-style, upcycled from a dense SigLIP checkpoint (not a MoE-ViE checkpoint of the paper)",
+        "upcycling": {
+            "mode": mode, "num_experts": num_experts, "n_shared_experts": n_shared_experts,
+            "n_routed_experts": plan.routed, "granularity": granularity, "top_k": top_k,
+            "router_bias": router_bias, "router_std": router_std, "seed": seed,
+            "moe_layers": list(config.vision_config.moe_layers),
+        },
+        "key_accounting": accounting,
+        "parameters": {
+            "total": sum(p.numel() for p in model.parameters()),
+            "vision_total": vision.total,
+            "vision_active": vision.active,
+        },
+        "max_abs_diff": None if differences is None else max(differences.values()),
+        "max_abs_diff_by_output": differences,
+        "notes": [
+            "At initialisation every token selects the designated experts; the balancing-bias updates spread the load "
+            "during training.",
+        ],
+    }
+    if source_config.model_type == "siglip":
+        report["notes"].append(
+            "Learned positions are resized like Siglip2 NaFlex (bilinear, antialiased); SigLIP's bicubic "
+            "interpolate_pos_encoding differs at other resolutions, so outputs are identical at the native grid only."
+        )
+    return model, report
+
+
+class _UpcyclingPlan:
+    """Which dense chunk each expert holds; validates the options against the dense width."""
+
+    def __init__(self, dense_width: int, num_experts: int, granularity: int, top_k: int, n_shared_experts: int):
+        for name, value in (("num_experts", num_experts), ("granularity", granularity), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be a non-negative integer, got {n_shared_experts!r}")
+        if dense_width % granularity:
+            raise ValueError(
+                f"granularity={granularity} does not divide the dense MLP width {dense_width}: the experts would not "
+                "hold equal chunks"
+            )
+        if n_shared_experts >= granularity:
+            raise ValueError(
+                f"n_shared_experts={n_shared_experts} must be smaller than granularity={granularity}: the routed "
+                "experts need at least one chunk of the dense MLP"
+            )
+        self.routed = num_experts - n_shared_experts
+        self.designated = granularity - n_shared_experts
+        if not self.designated <= top_k <= self.routed:
+            raise ValueError(
+                f"top_k={top_k} must lie between granularity - n_shared_experts = {self.designated} (every token "
+                f"needs every chunk) and the number of routed experts num_experts - n_shared_experts = {self.routed}"
+            )
+        self.top_k = top_k
+        self.shared = n_shared_experts
+        self.expert_width = dense_width // granularity
+
+    def chunk(self, index: int) -> slice:
+        return slice(index * self.expert_width, (index + 1) * self.expert_width)
+
+    def routed_chunk(self, expert: int) -> int:
+        return self.shared + expert % self.designated
+
+
+def _check_options(mode: str, router_std: float, router_bias: float) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
+    if not router_std >= 0:
+        raise ValueError(f"router_std must be >= 0, got {router_std!r}")
+    if not router_bias > 0:
+        raise ValueError(f"router_bias must be > 0 so that the designated experts are selected, got {router_bias!r}")
+
+
+def _load_source(source: str | Path | PreTrainedModel) -> PreTrainedModel:
+    if not isinstance(source, PreTrainedModel):
+        source = AutoModel.from_pretrained(str(source), dtype=torch.float32)
+    model_type = source.config.model_type
+    if model_type not in SOURCE_MODEL_TYPES:
+        raise ValueError(
+            f"cannot upcycle a {model_type!r} model: the sources are SigLIP (model_type 'siglip') and SigLIP2 "
+            "('siglip2') dual encoders"
+        )
+    if not (hasattr(source, "vision_model") and hasattr(source, "text_model")):
+        raise ValueError(f"{type(source).__name__} is not a dual encoder: upcycle the full SiglipModel/Siglip2Model")
+    if not getattr(source.config.vision_config, "vision_use_head", True):
+        raise ValueError("the source vision tower has no attention-pooling head (vision_use_head=False)")
+    return source
+
+
+def _moe_vie_config(source_config, plan: _UpcyclingPlan, moe_layers: list[int]) -> MoeVieConfig:
+    """The SigLIP profile of spec §5.1 with the source's sizes and the MoE options."""
+    vision, text = source_config.vision_config, source_config.text_config
+    if source_config.model_type == "siglip":
+        num_patches = (vision.image_size // vision.patch_size) ** 2
+        image_size = vision.image_size
+    else:
+        num_patches = vision.num_patches
+        image_size = math.isqrt(vision.num_patches) * vision.patch_size
+    if text.projection_size != vision.hidden_size:
+        raise ValueError(
+            f"the source's text projection_size {text.projection_size} differs from the vision width "
+            f"{vision.hidden_size}: its image and text embeddings cannot be compared"
+        )
+    return MoeVieConfig(
+        projection_dim=None,
+        loss_type="sigmoid",
+        logit_scale_init_value=math.log(10),  # SigLIP's initialisation; the trained values are copied
+        logit_bias_init_value=-10.0,
+        max_logit_scale=None,
+        text_projection_bias=True,
+        vision_config=dict(
+            hidden_size=vision.hidden_size, num_hidden_layers=vision.num_hidden_layers,
+            num_attention_heads=vision.num_attention_heads, num_channels=vision.num_channels,
+            patch_size=vision.patch_size, image_size=image_size, mlp_type="gelu", hidden_act=vision.hidden_act,
+            intermediate_size=vision.intermediate_size, mlp_bias=True, moe_intermediate_size=plan.expert_width,
+            n_routed_experts=plan.routed, n_shared_experts=plan.shared, num_experts_per_tok=plan.top_k,
+            moe_layers=moe_layers, routed_scaling_factor=float(plan.top_k), position_embedding_type="learned",
+            num_patches=num_patches, use_pre_layernorm=False, use_post_layernorm=True, patch_embedding_bias=True,
+            attention_bias=True, layer_norm_eps=vision.layer_norm_eps,
+            attention_dropout=float(vision.attention_dropout),
+            pooling_num_attention_heads=vision.num_attention_heads, pooling_intermediate_size=vision.intermediate_size,
+            pooling_hidden_act=vision.hidden_act,
+        ),
+        text_config=dict(
+            vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_hidden_layers=text.num_hidden_layers,
+            num_attention_heads=text.num_attention_heads, intermediate_size=text.intermediate_size, mlp_type="gelu",
+            hidden_act=text.hidden_act, mlp_bias=True, max_position_embeddings=text.max_position_embeddings,
+            is_causal=False, pooling_type="last", use_final_layer_norm=True, attention_bias=True,
+            layer_norm_eps=text.layer_norm_eps, attention_dropout=float(text.attention_dropout),
+            bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id,
+        ),
+    )
+
+
+def _upcycled_state_dict(source_state, target_keys, plan, moe_layers, router_std, router_bias, generator):
+    """Map every source tensor to the target state dict; the vision MLPs of `moe_layers` become MoE tensors."""
+    state, dense_mlps = {}, {}
+    for key, tensor in source_state.items():
+        match = _VISION_MLP.fullmatch(key)
+        if match and int(match[1]) in moe_layers:
+            dense_mlps.setdefault(int(match[1]), {})[f"{match[2]}.{match[3]}"] = tensor
+        elif key == "vision_model.embeddings.patch_embedding.weight" and tensor.ndim == 4:
+            # FixRes SigLIP: Conv2d (H, C, p, p) -> Linear (H, p*p*C) in (py, px, c) order.
+            state[key] = tensor.permute(0, 2, 3, 1).reshape(tensor.shape[0], -1)
+        elif key.startswith("text_model.head."):
+            state[key.replace("text_model.head.", "text_projection.")] = tensor
+        elif key == "logit_scale":
+            state[key] = tensor.reshape(())
+        else:
+            state[key] = tensor
+    for layer, dense in sorted(dense_mlps.items()):
+        state |= _upcycled_mlp(f"vision_model.encoder.layers.{layer}.mlp", dense, plan, router_std, router_bias,
+                               generator)
+    unmapped = sorted(set(state) - target_keys)
+    uncovered = sorted(target_keys - set(state))
+    if unmapped or uncovered:
+        raise ValueError(
+            f"the source does not map onto the upcycled model: source tensors without a target {unmapped[:8]}, "
+            f"target tensors without a source {uncovered[:8]}"
+        )
+    upcycled = sum(len(dense) for dense in dense_mlps.values())
+    accounting = {
+        "source_tensors": len(source_state),
+        "copied": len(source_state) - upcycled,
+        "upcycled_into_experts": upcycled,
+        "unexpected": [],  # every source tensor has a target, or the conversion fails
+    }
+    return state, accounting
+
+
+def _upcycled_mlp(prefix, dense, plan, router_std, router_bias, generator) -> dict[str, torch.Tensor]:
+    """One dense GELU MLP (`fc1 (I, H)`, `fc2 (H, I)`, biases) -> router, routed experts and shared expert."""
+    fc1, fc1_bias, fc2, fc2_bias = dense["fc1.weight"], dense["fc1.bias"], dense["fc2.weight"], dense["fc2.bias"]
+    hidden_size = fc1.shape[1]
+    chunks = [plan.chunk(plan.routed_chunk(expert)) for expert in range(plan.routed)]
+    down_proj = torch.stack([fc2[:, chunk] for chunk in chunks])  # (R, H, I_e)
+    down_proj[plan.designated : plan.top_k] = 0  # the null experts
+    down_proj_bias = torch.zeros(plan.routed, hidden_size, dtype=fc2_bias.dtype)
+    router_weight = torch.randn(plan.routed, hidden_size, generator=generator) * router_std
+    selection_bias = torch.zeros(plan.routed, dtype=torch.float32)
+    selection_bias[: plan.top_k] = router_bias  # the designated and null experts
+    tensors = {
+        f"{prefix}.gate.weight": router_weight.to(fc1.dtype),
+        f"{prefix}.gate.e_score_correction_bias": selection_bias,
+        f"{prefix}.experts.up_proj": torch.stack([fc1[chunk] for chunk in chunks]),  # (R, I_e, H)
+        f"{prefix}.experts.up_proj_bias": torch.stack([fc1_bias[chunk] for chunk in chunks]),
+        f"{prefix}.experts.down_proj": down_proj,
+        f"{prefix}.experts.down_proj_bias": down_proj_bias,
+    }
+    if plan.shared:
+        shared = slice(0, plan.shared * plan.expert_width)
+        tensors |= {
+            f"{prefix}.shared_expert.up_proj.weight": fc1[shared],
+            f"{prefix}.shared_expert.up_proj.bias": fc1_bias[shared],
+            f"{prefix}.shared_expert.down_proj.weight": fc2[:, shared],
+            f"{prefix}.shared_expert.down_proj.bias": fc2_bias,
+        }
+    else:
+        down_proj_bias[0] = fc2_bias  # the first designated expert, whose gate is 1 for every token
+    return tensors
+
+
+@torch.no_grad()
+def _measure_differences(source_model: PreTrainedModel, model: MoeVieModel) -> dict[str, float]:
+    """Both models on two images (the second padded, for SigLIP2) and two texts: largest absolute differences."""
+    generator = torch.Generator().manual_seed(0)
+    vision, text = source_model.config.vision_config, source_model.config.text_config
+    patch, channels = vision.patch_size, vision.num_channels
+    grid = model.config.vision_config.num_patches
+    side = math.isqrt(grid)
+    input_ids = torch.randint(0, text.vocab_size, (2, text.max_position_embeddings), generator=generator)
+    if source_model.config.model_type == "siglip":
+        images = torch.randn(2, channels, side * patch, side * patch, generator=generator)
+        spatial_shapes = torch.tensor([[side, side], [side, side]])
+        pixel_values = _patchify(images, patch)
+        pixel_attention_mask = torch.ones(2, grid, dtype=torch.long)
+        source_inputs = {"pixel_values": images}
+    else:
+        spatial_shapes = torch.tensor([[side, side], [max(1, side // 2), side]])
+        pixel_values = torch.randn(2, grid, patch * patch * channels, generator=generator)
+        pixel_attention_mask = (torch.arange(grid)[None] < spatial_shapes.prod(-1, keepdim=True)).long()
+        source_inputs = {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask,
+                         "spatial_shapes": spatial_shapes}
+    was_training = source_model.training
+    source_model.eval()
+    dtype = next(source_model.parameters()).dtype
+    expected = source_model(input_ids=input_ids, **{k: v.to(dtype) if v.is_floating_point() else v
+                                                     for k, v in source_inputs.items()})
+    source_model.train(was_training)
+    got = model(input_ids=input_ids, pixel_values=pixel_values, pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes)
+    return {
+        name: float((getattr(got, name).float() - getattr(expected, name).float()).abs().max())
+        for name in ("image_embeds", "text_embeds", "logits_per_image")
+    }
+
+
+def _patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, rows * cols, patch * patch * C) in (py, px, c) order, row-major."""
+    batch, channels, height, width = images.shape
+    grid = images.reshape(batch, channels, height // patch, patch, width // patch, patch)
+    return grid.permute(0, 2, 4, 3, 5, 1).reshape(batch, (height // patch) * (width // patch), -1)
+
+
+# --- `moezoo convert --to moe_vie --from <siglip / siglip2 folder or Hub id>` -----------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--num-experts", type=int, default=32, help="experts per MoE layer, shared ones included")
+    parser.add_argument("--granularity", type=int, default=4, help="experts one dense MLP is cut into")
+    parser.add_argument("--top-k", type=int, default=3, help="routed experts per token")
+    parser.add_argument("--n-shared-experts", type=int, default=1)
+    parser.add_argument("--moe-layers", type=int, nargs="+", default=None, help="default: every block but the first")
+    parser.add_argument("--mode", choices=MODES, default="exact")
+    parser.add_argument("--router-std", type=float, default=1e-3, help="router init std of --mode noisy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder or Hub id (default: the source's)")
+
+
+def convert(source: Path, tokenizer: str | None = None, **options) -> ConversionResult:
+    """The converter behind the command: the upcycled model, the source's tokenizer and matching preprocessing
+    (NaFlex for `siglip2`, a fixed square for `siglip`, bilinear as SigLIP)."""
+    model, report = upcycle_siglip_checkpoint(source, **options)
+    try:
+        text_tokenizer = AutoTokenizer.from_pretrained(tokenizer or source)
+    except (OSError, ValueError) as error:
+        raise FileNotFoundError(
+            f"no tokenizer in {tokenizer or source} ({error}); pass --tokenizer with the source model's tokenizer"
+        ) from error
+    vision_config = model.config.vision_config
+    image_options = {"resample": PILImageResampling.BILINEAR}
+    if report["source_model_type"] == "siglip2":
+        image_options |= {"resize_mode": "naflex", "max_num_patches": vision_config.num_patches}
+    processor = make_moe_vie_processor(model.config, tokenizer=text_tokenizer, **image_options)
+    processor.text_kwargs = {"padding": "max_length", "truncation": True}
+    return ConversionResult(model, processor, report)
