@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(commands)
     _add_export(commands)
     _add_push(commands)
+    _add_train(commands)
+    _add_eval(commands)
     _add_bench(commands)
     _add_demo(commands)
     return parser
@@ -249,6 +251,55 @@ def _run_push(args) -> int:
     return 0
 
 
+# `moezoo train <arch>` and `moezoo eval <arch>`: each architecture's module brings its own options and runner, and
+# is imported only when its command runs (training code pulls in Trainer, PEFT and datasets).
+TRAINERS = {"moe_vie": "moezoo.training.moe_vie"}
+EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie"}
+
+
+def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run) -> None:
+    parser = _command(commands, name, help, examples)
+    parser.add_argument("architecture", choices=sorted(modules))
+    parser.add_argument("options", nargs=argparse.REMAINDER, help=f"see `moezoo {name} ARCH --help`")
+    parser.set_defaults(run=lambda args: _run_architecture_command(name, args, modules, add_arguments, run))
+
+
+def _run_architecture_command(name, args, modules, add_arguments, run) -> int:
+    import importlib
+
+    module = importlib.import_module(modules[args.architecture])
+    parser = argparse.ArgumentParser(prog=f"moezoo {name} {args.architecture}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    getattr(module, add_arguments)(parser)
+    return getattr(module, run)(parser.parse_args(args.options))
+
+
+def _add_train(commands) -> None:
+    _add_architecture_command(
+        commands,
+        "train",
+        "train a model of the zoo with transformers' Trainer (curves and routing heatmaps written as PNG files)",
+        """
+        moezoo train moe_vie --model tiny-moe-vie --data captions.jsonl --out trained --steps 500
+        moezoo train moe_vie --model trained --data clips.jsonl --out video --video --num-frames 8
+        """,
+        TRAINERS, "add_train_arguments", "run_train",
+    )
+
+
+def _add_eval(commands) -> None:
+    _add_architecture_command(
+        commands,
+        "eval",
+        "evaluate a model of the zoo with its benchmarks' protocols",
+        """
+        moezoo eval moe_vie --model trained --data imagenet-val/ --task zero-shot
+        moezoo eval moe_vie --model trained --data captions.jsonl --task retrieval --json
+        """,
+        EVALUATORS, "add_eval_arguments", "run_eval",
+    )
+
+
 def _add_bench(commands) -> None:
     bench = _command(
         commands,
@@ -257,6 +308,7 @@ def _add_bench(commands) -> None:
         """
         moezoo bench moe-layer
         moezoo bench moe-layer --tokens 64 2048 --mode fwd --json
+        moezoo bench moe-vie
         """,
     )
     targets = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK")
@@ -280,6 +332,34 @@ def _add_bench(commands) -> None:
     moe_layer.add_argument("--seconds-per-case", type=float, default=6.0, help="time budget per (tokens, mode)")
     moe_layer.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     moe_layer.set_defaults(run=_run_bench_moe_layer)
+    moe_vie = _command(
+        targets,
+        "moe-vie",
+        "vision-tower images per second: MoE-ViE with every experts implementation against a dense tower of the same "
+        "active parameters and transformers' SigLIP2 of the same width and depth",
+        """
+        moezoo bench moe-vie
+        moezoo bench moe-vie --batch-size 16 --impl grouped_mm moezoo --json
+        moezoo bench moe-vie --size b16 --batch-size 4 --seconds-per-case 60
+        """,
+    )
+    moe_vie.add_argument(
+        "--size", default="cpu",
+        help="cpu (width 384, 6 layers, 196 tokens: B/16's proportions), b16, l16, h14 (the official MoE-ViE vision "
+        "towers, heavy on a CPU) or tiny (for tests)",
+    )
+    moe_vie.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    moe_vie.add_argument("--image-size", type=int, default=None, help="square resolution (default: the size's)")
+    moe_vie.add_argument("--layers", type=int, default=None, help="depth (default: the size's); MoE in all but block 0")
+    moe_vie.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
+    moe_vie.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per batch size")
+    moe_vie.add_argument(
+        "--threads", type=int, default=None,
+        help="torch CPU threads (default: torch's, one per core; on a machine shared with other jobs, fewer threads "
+        "than cores avoid threads waiting for each other at every operation)",
+    )
+    moe_vie.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    moe_vie.set_defaults(run=_run_bench_moe_vie)
 
 
 def _run_bench_moe_layer(args) -> int:
@@ -311,6 +391,41 @@ def _run_bench_moe_layer(args) -> int:
         peak,
         f"MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width {args.expert_width}, "
         f"{args.dtype}",
+    )
+    return 0
+
+
+def _run_bench_moe_vie(args) -> int:
+    import torch
+
+    from .bench.moe_layer import DEFAULT_IMPLEMENTATIONS, rows_as_dicts
+    from .bench.moe_vie import moe_vie_bench_config, print_moe_vie_table, run_moe_vie_bench
+    from .terminal import progress_bar
+
+    config = moe_vie_bench_config(args.size, image_size=args.image_size, num_layers=args.layers)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    with progress_bar(transient=True) as progress:
+        task = progress.add_task("moe-vie", total=len(args.batch_size))
+        rows = run_moe_vie_bench(
+            config,
+            batch_sizes=args.batch_size,
+            implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
+            seconds_per_case=args.seconds_per_case,
+            on_case_done=lambda case: progress.update(task, advance=1, description=case),
+        )
+    if args.json:
+        print(json.dumps(rows_as_dicts(rows), indent=2))
+        return 0
+    grid = config.image_size // config.patch_size
+    print_moe_vie_table(
+        rows,
+        f"Vision towers ({args.size}): width {config.hidden_size}, {config.num_hidden_layers} layers "
+        f"({len(config.moe_layers)} MoE: {config.n_shared_experts} shared + top-{config.num_experts_per_tok} of "
+        f"{config.n_routed_experts} experts of width {config.moe_intermediate_size}), {config.num_attention_heads} "
+        f"heads, {grid}x{grid} = {grid * grid} tokens per image; fp32, sdpa, threads: {torch.get_num_threads()}",
     )
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedConfig
@@ -17,6 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
 from ..terminal import console, print_table
+from .timing import time_round_robin
 
 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
@@ -40,6 +42,29 @@ class BenchRow:
     max_rel_diff_vs_eager: float | None = None
     speedup_vs_best_transformers: float | None = None
     note: str = ""
+
+
+def check_implementations(implementations: Sequence[str]) -> None:
+    """Raise a `ValueError` naming the registered experts implementations if one of `implementations` is not."""
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+    for impl in implementations:
+        if impl not in known:
+            raise ValueError(f"unknown experts implementation {impl!r}; registered: {', '.join(known)}")
+
+
+def split_runnable(
+    implementations: Sequence[str], pairs: int, hidden: int, expert_width: int, element_size: int, passes: int = 1
+) -> tuple[list[str], dict[str, str]]:
+    """The implementations to run on `pairs` (token, slot) pairs of SwiGLU experts, and the skipped ones with why:
+    batched_mm copies the gate/up and down weights of one expert per pair (a backward pass copies them again)."""
+    weight_copies = passes * pairs * 3 * hidden * expert_width * element_size
+    runnable, skipped = [], {}
+    for impl in implementations:
+        if impl == "batched_mm" and weight_copies > BATCHED_MM_MEMORY_LIMIT_BYTES:
+            skipped[impl] = f"skipped: would copy {weight_copies / 2**30:.1f} GiB of expert weights"
+        else:
+            runnable.append(impl)
+    return runnable, skipped
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
@@ -116,10 +141,7 @@ def run_moe_layer_bench(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
-    for impl in implementations:
-        if impl not in known:
-            raise ValueError(f"unknown experts implementation {impl!r}; registered: {', '.join(known)}")
+    check_implementations(implementations)
     config, experts = _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed)
     peak = measure_matmul_peak(dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
@@ -129,21 +151,16 @@ def run_moe_layer_bench(
         pairs = num_tokens * top_k
         forward_flops = 6 * pairs * hidden * expert_width
         for mode in modes:
-            runnable, skipped = [], {}
-            for impl in implementations:
-                weight_copies = pairs * 3 * hidden * expert_width * element_size * (2 if mode == "fwd_bwd" else 1)
-                if impl == "batched_mm" and weight_copies > BATCHED_MM_MEMORY_LIMIT_BYTES:
-                    skipped[impl] = f"skipped: would copy {weight_copies / 2**30:.1f} GiB of expert weights"
-                else:
-                    runnable.append(impl)
+            runnable, skipped = split_runnable(
+                implementations, pairs, hidden, expert_width, element_size, passes=2 if mode == "fwd_bwd" else 1
+            )
             reference = _run(config, experts, "eager", mode, hidden_states, index, weights)
             diffs = {
                 impl: _max_diffs(_run(config, experts, impl, mode, hidden_states, index, weights), reference)
                 for impl in runnable
             }
-            timings = _time_round_robin(
-                lambda impl: _run(config, experts, impl, mode, hidden_states, index, weights),
-                runnable,
+            timings = time_round_robin(
+                {impl: partial(_run, config, experts, impl, mode, hidden_states, index, weights) for impl in runnable},
                 seconds_per_case,
                 max_rounds,
             )
@@ -170,21 +187,6 @@ def run_moe_layer_bench(
                 on_case_done(f"{num_tokens} tokens, {mode}")
     config._experts_implementation = None
     return rows, peak
-
-
-def _time_round_robin(call, implementations, seconds_per_case, max_rounds) -> dict[str, float]:
-    """Median seconds per call of each implementation, one call of each per round (every implementation has
-    already run once, for the accuracy check, so no round is a cold start)."""
-    samples: dict[str, list[float]] = {impl: [] for impl in implementations}
-    started = time.perf_counter()
-    rounds = 0
-    while rounds < max_rounds and (rounds < 3 or time.perf_counter() - started < seconds_per_case):
-        for impl in implementations:
-            start = time.perf_counter()
-            call(impl)
-            samples[impl].append(time.perf_counter() - start)
-        rounds += 1
-    return {impl: sorted(times)[len(times) // 2] for impl, times in samples.items()}
 
 
 def rows_as_dicts(rows: Sequence[BenchRow]) -> list[dict]:

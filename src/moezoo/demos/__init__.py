@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..terminal import console
-from . import moe_core
+from . import moe_core, moe_vie
 
 
 # (folder name, title, stage module); each stage has `run(out_dir, quick) -> dict`.
 STAGES = [
     ("moe_core", "the shared sparse-MoE core", moe_core),
+    ("moe_vie", "MoE-ViE, a MoE vision encoder trained from scratch", moe_vie),
 ]
 
 

@@ -82,10 +82,15 @@ class MoeVieOutput(ModelOutput):
     loss (`()`, *optional*, with `return_loss=True`): the contrastive loss (`config.loss_type`), plus the router
         auxiliary loss if `vision_config.router_aux_loss_type` is not `"none"`.
     logits_per_image (`(image_batch_size, text_batch_size)`): scaled cosine similarities (plus the logit bias of the
-        sigmoid loss).
-    logits_per_text (`(text_batch_size, image_batch_size)`): the transpose of `logits_per_image`.
-    text_embeds / image_embeds (`(batch_size, embedding_dim)`): the L2-normalised, projected embeddings.
-    text_model_output / vision_model_output: the outputs of the two towers (pooled features before projection).
+        sigmoid loss); for videos, `logits_per_video` instead.
+    logits_per_text (`(text_batch_size, image_batch_size)`): the transpose of `logits_per_image` (or of
+        `logits_per_video`).
+    text_embeds / image_embeds / video_embeds (`(batch_size, embedding_dim)`): the L2-normalised, projected
+        embeddings.
+    frame_embeds (`(batch_size, num_frames, embedding_dim)`, videos only): each frame's projected embedding, not
+        normalised, zero for padded frames (what frame-level distillation compares).
+    text_model_output / vision_model_output: the outputs of the two towers (pooled features before projection; for
+        videos, `MoeVieVideoOutput`).
     router_logits (`tuple`, *optional*): the vision tower's router logits, with `output_router_logits=True`.
     aux_loss (`()`, *optional*): the router auxiliary loss included in `loss`.
     """
@@ -95,6 +100,9 @@ class MoeVieOutput(ModelOutput):
     logits_per_text: torch.Tensor | None = None
     text_embeds: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    logits_per_video: torch.Tensor | None = None
+    video_embeds: torch.Tensor | None = None
+    frame_embeds: torch.Tensor | None = None
     text_model_output: BaseModelOutputWithPooling | None = None
     vision_model_output: MoeVieVisionModelOutput | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
@@ -691,29 +699,43 @@ class MoeVieModel(MoeViePreTrainedModel):
         spatial_shapes: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_pixel_attention_mask: torch.Tensor | None = None,
+        video_spatial_shapes: torch.LongTensor | None = None,
+        padding_mask_videos: torch.Tensor | None = None,
         return_loss: bool | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeVieOutput:
+        """Texts against images (`pixel_values`, ...) or against videos (`pixel_values_videos`, ...)."""
+        if (pixel_values is None) == (pixel_values_videos is None):
+            raise ValueError("pass either images (pixel_values, ...) or videos (pixel_values_videos, ...), not both")
         vision_config = self.config.vision_config
         use_aux_loss = bool(return_loss) and vision_config.router_aux_loss_type != "none"
         if output_router_logits is None:
             output_router_logits = vision_config.output_router_logits
-        vision_outputs = self.vision_model(
-            pixel_values=pixel_values,
-            pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes,
-            output_router_logits=output_router_logits or use_aux_loss,
-            **kwargs,
-        )
+        vision_kwargs = kwargs | {"output_router_logits": output_router_logits or use_aux_loss}
+        if pixel_values_videos is not None:
+            vision_outputs = self.get_video_features(
+                pixel_values_videos, video_pixel_attention_mask, video_spatial_shapes, padding_mask_videos,
+                **vision_kwargs,
+            )
+            vision_embeds = vision_outputs.pooler_output  # already projected
+        else:
+            vision_outputs = self.vision_model(
+                pixel_values=pixel_values,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                **vision_kwargs,
+            )
+            vision_embeds = self.visual_projection(vision_outputs.pooler_output)
         text_outputs = self.text_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )
-        image_embeds = self.visual_projection(vision_outputs.pooler_output)
         text_embeds = self.text_projection(text_outputs.pooler_output)
-        image_embeds = image_embeds / image_embeds.norm(p=2, dim=-1, keepdim=True)
+        vision_embeds = vision_embeds / vision_embeds.norm(p=2, dim=-1, keepdim=True)
         text_embeds = text_embeds / text_embeds.norm(p=2, dim=-1, keepdim=True)
-        logits_per_text = self.contrastive_logits(image_embeds, text_embeds)
+        logits_per_text = self.contrastive_logits(vision_embeds, text_embeds)
 
         loss = aux_loss = None
         if return_loss:
@@ -722,12 +744,16 @@ class MoeVieModel(MoeViePreTrainedModel):
                 aux_loss = self.router_aux_loss(vision_outputs.router_logits)
                 loss = loss + vision_config.router_aux_loss_coef * aux_loss.to(loss.device)
 
+        is_video = pixel_values_videos is not None
         return MoeVieOutput(
             loss=loss,
-            logits_per_image=logits_per_text.t(),
+            logits_per_image=None if is_video else logits_per_text.t(),
             logits_per_text=logits_per_text,
             text_embeds=text_embeds,
-            image_embeds=image_embeds,
+            image_embeds=None if is_video else vision_embeds,
+            logits_per_video=logits_per_text.t() if is_video else None,
+            video_embeds=vision_embeds if is_video else None,
+            frame_embeds=vision_outputs.frame_embeds if is_video else None,
             text_model_output=text_outputs,
             vision_model_output=vision_outputs,
             router_logits=vision_outputs.router_logits if output_router_logits else None,
@@ -744,22 +770,34 @@ class MoeVieModel(MoeViePreTrainedModel):
         )
 
 
-# --- contrastive losses, on `logits_per_text (texts, images)` whose diagonal holds the matching pairs ---------------
+# --- contrastive losses --------------------------------------------------------------------------------------------
+# `logits_per_text (texts, images)`; the texts may be one process's slice of a batch gathered across processes, whose
+# matching images then start at column `label_offset` (OpenCLIP's local loss). With every text and image, the
+# matching pairs are the diagonal.
 
 
-def softmax_contrastive_loss(logits_per_text: torch.Tensor) -> torch.Tensor:
-    """Symmetric InfoNCE (CLIP, MoE-ViE): the mean of the text->image and image->text cross-entropies."""
-    labels = torch.arange(logits_per_text.shape[0], device=logits_per_text.device)
+def softmax_contrastive_loss(
+    logits_per_text: torch.Tensor, logits_per_image: torch.Tensor | None = None, label_offset: int = 0
+) -> torch.Tensor:
+    """Symmetric InfoNCE (CLIP, MoE-ViE): the mean of the text->image and image->text cross-entropies.
+    `logits_per_image (images, texts)` defaults to the transpose of `logits_per_text`."""
+    if logits_per_image is None:
+        logits_per_image = logits_per_text.t()
+    labels = torch.arange(logits_per_text.shape[0], device=logits_per_text.device) + label_offset
     text_loss = nn.functional.cross_entropy(logits_per_text, labels)
-    image_loss = nn.functional.cross_entropy(logits_per_text.t(), labels)
+    image_loss = nn.functional.cross_entropy(logits_per_image, labels)
     return (text_loss + image_loss) / 2
 
 
-def sigmoid_contrastive_loss(logits_per_text: torch.Tensor) -> torch.Tensor:
-    """SigLIP: `-sum_j log sigmoid(z_ij * logit_ij)` with `z = +1` on the diagonal and -1 elsewhere, averaged over
-    the rows."""
-    signs = 2 * torch.eye(logits_per_text.shape[0], device=logits_per_text.device) - 1
-    return -nn.functional.logsigmoid(signs * logits_per_text).sum(dim=-1).mean()
+def sigmoid_contrastive_loss(
+    logits_per_text: torch.Tensor, logits_per_image: torch.Tensor | None = None, label_offset: int = 0
+) -> torch.Tensor:
+    """SigLIP: `-sum_j log sigmoid(z_ij * logit_ij)` with `z = +1` for matching pairs and -1 elsewhere, averaged
+    over the texts (every pair is one text row's term, so `logits_per_image` is not needed)."""
+    num_texts, num_images = logits_per_text.shape
+    matching = torch.zeros(num_texts, num_images, device=logits_per_text.device)
+    matching[torch.arange(num_texts), torch.arange(num_texts) + label_offset] = 1
+    return -nn.functional.logsigmoid((2 * matching - 1) * logits_per_text).sum(dim=-1).mean()
 
 
 CONTRASTIVE_LOSSES = {"softmax": softmax_contrastive_loss, "sigmoid": sigmoid_contrastive_loss}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from datasets import ClassLabel, Dataset, Features, Sequence, Value
+from datasets import Image as ImageFeature
 from PIL import Image, ImageDraw
 from torch import nn
 
@@ -133,6 +135,26 @@ class ColouredShapes:
             draw.rectangle((cx - radius, cy - bar, cx + radius, cy + bar), fill=colour)
             draw.rectangle((cx - bar, cy - radius, cx + bar, cy + radius), fill=colour)
         return image
+
+    def image_text_dataset(self, count: int, generator: torch.Generator, split: str = "train") -> Dataset:
+        """A `datasets.Dataset` with `image`, `text` (the caption) and `label` columns."""
+        examples = self.sample(count, generator, split)
+        return Dataset.from_dict(
+            {"image": [e.image for e in examples], "text": [e.caption for e in examples],
+             "label": [e.label for e in examples]},
+            features=Features({"image": ImageFeature(), "text": Value("string"),
+                               "label": ClassLabel(names=self.class_names)}),
+        )
+
+    def video_text_dataset(self, count: int, num_frames: int, generator: torch.Generator) -> Dataset:
+        """A `datasets.Dataset` of moving-shape clips: `frames` (lists of images) and `text` columns."""
+        labels = torch.randint(0, len(self.class_names), (count,), generator=generator).tolist()
+        motions = [list(MOTIONS)[i] for i in torch.randint(0, len(MOTIONS), (count,), generator=generator).tolist()]
+        clips = [self.clip(label, motion, num_frames, generator) for label, motion in zip(labels, motions)]
+        return Dataset.from_dict(
+            {"frames": [frames for frames, _ in clips], "text": [caption for _, caption in clips]},
+            features=Features({"frames": Sequence(ImageFeature()), "text": Value("string")}),
+        )
 
     def clip(self, label: int, motion: str, num_frames: int, generator: torch.Generator):
         """A list of frames of shape `label` moving in direction `motion`, and its caption."""

@@ -129,7 +129,7 @@ def plot_routing_heatmap(stats: RoutingStatistics, path: str | Path, title: str 
         axis.set_yticks(range(len(layer_names)), layer_names, fontsize=7)
     fig.colorbar(image, ax=axes[0].tolist(), label="share of the group's assignments")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, y=1.0 + 0.35 / fig.get_size_inches()[1])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -1,0 +1,359 @@
+"""Training MoE-ViE with `transformers.Trainer` (spec moe_vie.md §4, §8).
+
+- Image-text contrastive training: softmax InfoNCE with the learnable temperature, or SigLIP's sigmoid loss, over
+  the global batch (embeddings gathered across processes, each process's loss on its own rows: OpenCLIP's local
+  loss). From scratch (`moezoo create`) or from a converted checkpoint.
+- Robust video fine-tuning: InfoNCE between video and caption embeddings plus frame-level distillation
+  `beta * (1 - cos(student frame, teacher frame))` against a frozen copy of the image model, with the MoE experts,
+  routers and text MLPs frozen (`freeze_for_video_finetuning`).
+
+The aux-loss-free balancing update runs once per optimizer step (`RoutingBiasCallback`); the loss curves and the
+routing heatmap of the trained model are written as PNG files beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .. import __version__
+from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
+from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
+from ..processors.moe_vie import MoeVieProcessor
+from ..terminal import console, print_table
+from .callbacks import RoutingBiasCallback
+from .data import load_image_text_dataset, load_video_text_dataset
+from .distributed import all_gather_with_grad, world
+from .plots import plot_training_curves
+
+
+# --- batches ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ImageTextCollator:
+    """Examples `{"image", "text"}` -> the processor's tensors; `image_size` overrides the processor's size
+    (progressive-resolution training)."""
+
+    processor: MoeVieProcessor
+    image_size: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        image_options = {"size": self.image_size} if self.image_size else {}
+        batch = self.processor(
+            text=[example["text"] for example in examples],
+            images=[example["image"] for example in examples],
+            return_tensors="pt",
+            **image_options,
+        )
+        return dict(batch)
+
+
+@dataclass
+class VideoTextCollator:
+    """Examples `{"frames", "text"}` -> the processor's text and video tensors, `num_frames` frames per video."""
+
+    processor: MoeVieProcessor
+    num_frames: int = 8
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.processor(
+            text=[example["text"] for example in examples],
+            videos=[example["frames"] for example in examples],
+            num_frames=self.num_frames,
+            return_tensors="pt",
+        )
+        return dict(batch)
+
+
+# --- losses -------------------------------------------------------------------------------------------------------
+
+
+def global_contrastive_loss(model: MoeVieModel, vision_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
+    """The contrastive loss of this process's pairs against the whole batch of every process (equal local batch
+    sizes, hence `dataloader_drop_last`); with one process, exactly the model's own loss."""
+    rank, _ = world()
+    logits_per_text = model.contrastive_logits(all_gather_with_grad(vision_embeds), text_embeds)
+    logits_per_vision = model.contrastive_logits(vision_embeds, all_gather_with_grad(text_embeds)).t()
+    return CONTRASTIVE_LOSSES[model.config.loss_type](
+        logits_per_text, logits_per_vision, label_offset=rank * text_embeds.shape[0]
+    )
+
+
+def frame_distillation_loss(student_frames: torch.Tensor, teacher_frames: torch.Tensor) -> torch.Tensor:
+    """`1 - cos(S, T)` averaged over the batch (spec §4)."""
+    return (1 - nn.functional.cosine_similarity(student_frames, teacher_frames.to(student_frames.dtype), dim=-1)).mean()
+
+
+class MoeVieTrainer(Trainer):
+    """Contrastive training over the global batch; the router auxiliary loss is added when the config asks for one
+    (MoE-ViE itself uses none: its experts are balanced by the bias update)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        core = self.accelerator.unwrap_model(model)
+        vision_config = core.config.vision_config
+        use_aux_loss = vision_config.router_aux_loss_type != "none"
+        outputs = model(**inputs, output_router_logits=use_aux_loss)
+        vision_embeds = outputs.image_embeds if outputs.image_embeds is not None else outputs.video_embeds
+        loss = global_contrastive_loss(core, vision_embeds, outputs.text_embeds)
+        if use_aux_loss:
+            loss = loss + vision_config.router_aux_loss_coef * core.router_aux_loss(outputs.router_logits)
+        loss = loss + self.extra_loss(core, inputs, outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def extra_loss(self, model, inputs, outputs) -> torch.Tensor | float:
+        return 0.0
+
+
+class VideoDistillationTrainer(MoeVieTrainer):
+    """Adds frame-level distillation: one random real frame per video, the student's embedding of it (from the
+    video forward, spec §11 item 11) against the frozen teacher's image embedding of the same frame."""
+
+    def __init__(self, *args, teacher: MoeVieModel, distill_weight: float = 0.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.distill_weight = distill_weight
+        self.last_distill_loss = float("nan")
+
+    def extra_loss(self, model, inputs, outputs) -> torch.Tensor:
+        real = inputs["padding_mask_videos"].bool()
+        rows = torch.arange(real.shape[0], device=real.device)
+        frames = torch.multinomial(real.float(), 1).squeeze(-1)  # one real frame per video
+        frame_mask = inputs.get("video_pixel_attention_mask")
+        with torch.no_grad():
+            self.teacher.to(outputs.frame_embeds.device)
+            teacher_frames = self.teacher.get_image_features(
+                pixel_values=inputs["pixel_values_videos"][rows, frames],
+                pixel_attention_mask=None if frame_mask is None else frame_mask[rows, frames],
+                spatial_shapes=inputs["video_spatial_shapes"],
+            ).pooler_output
+        distill = frame_distillation_loss(outputs.frame_embeds[rows, frames], teacher_frames)
+        self.last_distill_loss = distill.item()
+        return self.distill_weight * distill
+
+
+def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: bool = True) -> dict[str, int]:
+    """Spec §4: freeze every MoE block of the vision tower (routed and shared experts and the router: its balancing
+    bias then stops updating too), the text tower's MLPs and, by default, the vision tower's dense MLPs (block 0).
+    Returns the number of frozen and trainable parameters."""
+    for layer in model.vision_model.encoder.layers:
+        if layer.is_moe or freeze_vision_dense_mlp:
+            layer.mlp.requires_grad_(False)
+    for layer in model.text_model.encoder.layers:
+        layer.mlp.requires_grad_(False)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"frozen": frozen, "trainable": trainable}
+
+
+# --- callbacks ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossHistory(TrainerCallback):
+    """Keeps every logged loss (and the distillation term when there is one) for the curves."""
+
+    curves: dict[str, list[float]] = field(default_factory=lambda: {"loss": []})
+    trainer: Trainer | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.curves["loss"].append(float(logs["loss"]))
+            if isinstance(self.trainer, VideoDistillationTrainer):
+                self.curves.setdefault("distillation 1 - cos", []).append(self.trainer.last_distill_loss)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoeVieTrainingOptions:
+    steps: int = 200
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    loss_type: str | None = None  # switch the model's contrastive loss (softmax | sigmoid)
+    image_size: int | None = None
+    video: bool = False
+    num_frames: int = 8
+    distill_weight: float = 0.5
+    freeze_vision_dense_mlp: bool = True
+    lora_r: int = 0
+    seed: int = 0
+    logging_steps: int = 10
+
+
+def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
+    """Switch between InfoNCE and the sigmoid loss; the sigmoid loss needs its learnable logit bias."""
+    if loss_type not in CONTRASTIVE_LOSSES:
+        raise ValueError(f"loss type {loss_type!r} is not one of {', '.join(CONTRASTIVE_LOSSES)}")
+    model.config.loss_type = loss_type
+    if loss_type == "sigmoid" and model.logit_bias is None:
+        model.logit_bias = nn.Parameter(torch.tensor([model.config.logit_bias_init_value]))
+    elif loss_type == "softmax":
+        model.logit_bias = None
+
+
+def with_lora(model: MoeVieModel, rank: int):
+    """LoRA on the attention projections of both towers and on the fused experts (PEFT `target_parameters`)."""
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    return get_peft_model(model, config)
+
+
+def train_moe_vie(
+    model_dir: str | Path,
+    data,
+    out: str | Path,
+    options: MoeVieTrainingOptions | None = None,
+    image_column: str = "image",
+    frames_column: str = "frames",
+    text_column: str = "text",
+    overwrite: bool = False,
+) -> dict:
+    """Train the model in `model_dir` on `data` (see `moezoo.training.data`) and save it, its processor, the curves
+    and the routing heatmap to `out`. Returns the final metrics."""
+    options = options or MoeVieTrainingOptions()
+    model = MoeVieModel.from_pretrained(model_dir)
+    processor = MoeVieProcessor.from_pretrained(model_dir)
+    if options.loss_type:
+        set_loss_type(model, options.loss_type)
+    if options.video:
+        dataset = load_video_text_dataset(data, frames_column, text_column)
+        collator = VideoTextCollator(processor, options.num_frames)
+        teacher = copy.deepcopy(model)
+        freeze_counts = freeze_for_video_finetuning(model, options.freeze_vision_dense_mlp)
+    else:
+        dataset = load_image_text_dataset(data, image_column, text_column)
+        collator = ImageTextCollator(processor, options.image_size)
+    if len(dataset) < options.batch_size:
+        raise ValueError(f"the data set has {len(dataset)} examples, fewer than one batch of {options.batch_size}")
+    trained = with_lora(model, options.lora_r) if options.lora_r else model
+
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        args = TrainingArguments(
+            output_dir=str(staging / "checkpoints"),
+            max_steps=options.steps,
+            per_device_train_batch_size=options.batch_size,
+            gradient_accumulation_steps=options.gradient_accumulation_steps,
+            activation_checkpointing=options.gradient_checkpointing,
+            learning_rate=options.learning_rate,
+            weight_decay=options.weight_decay,
+            warmup_steps=options.warmup_steps,
+            lr_scheduler_type="cosine",
+            logging_steps=min(options.logging_steps, options.steps),
+            save_strategy="no",
+            report_to="none",
+            seed=options.seed,
+            dataloader_drop_last=True,  # the global contrastive loss needs equal batches on every process
+            remove_unused_columns=False,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=False,
+        )
+        history = LossHistory()
+        trainer_class, extra = MoeVieTrainer, {}
+        if options.video:
+            trainer_class = VideoDistillationTrainer
+            extra = {"teacher": teacher, "distill_weight": options.distill_weight}
+        trainer = trainer_class(
+            model=trained, args=args, train_dataset=dataset, data_collator=collator,
+            callbacks=[RoutingBiasCallback(), history], **extra,
+        )
+        history.trainer = trainer
+        result = trainer.train()
+        if options.lora_r:
+            model = trained.merge_and_unload()
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
+
+        curves = plot_training_curves(history.curves, staging / "training_curves.png", title="MoE-ViE training",
+                                      xlabel=f"logging step (every {options.logging_steps} optimizer steps)")
+        heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
+        training = {
+            "summary": f"{'video fine-tuning with frame distillation' if options.video else 'contrastive training'} "
+                       f"for {options.steps} steps, batch {options.batch_size}, loss {model.config.loss_type}",
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "learning_rate": options.learning_rate,
+            "final_loss": round(result.training_loss, 4),
+            "examples": len(dataset),
+            "lora_r": options.lora_r or None,
+            **({"frozen_parameters": freeze_counts["frozen"]} if options.video else {}),
+        }
+        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        console.print(f"wrote {curves.name} and {heatmap.name}")
+    return training
+
+
+@torch.no_grad()
+def routing_heatmap(model: MoeVieModel, dataset, collator, path: Path, num_examples: int = 64) -> Path:
+    """Tokens per expert per MoE layer of the vision tower over the first examples of `dataset`."""
+    model.eval()
+    examples = [dataset[i] for i in range(min(num_examples, len(dataset)))]
+    batch = collator(examples)
+    with record_routing(model.vision_model) as stats:
+        if "pixel_values_videos" in batch:
+            model.get_video_features(**{k: v for k, v in batch.items() if "video" in k})
+        else:
+            model.get_image_features(batch["pixel_values"], batch["pixel_attention_mask"], batch["spatial_shapes"])
+    return plot_routing_heatmap(stats, path, title="vision experts: share of tokens per layer")
+
+
+def add_train_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="a MoE-ViE folder (moezoo create / convert / train)")
+    parser.add_argument("--data", required=True,
+                        help="image folder with metadata, JSON/CSV/parquet file, webdataset .tar shards, or Hub id")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--image-column", default="image")
+    parser.add_argument("--frames-column", default="frames")
+    parser.add_argument("--text-column", default="text")
+    defaults = MoeVieTrainingOptions()
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--loss", choices=sorted(CONTRASTIVE_LOSSES), help="switch the model's contrastive loss")
+    parser.add_argument("--image-size", type=int, help="resize images to this size (progressive resolution)")
+    parser.add_argument("--video", action="store_true",
+                        help="robust video fine-tuning: frame distillation, experts and text MLPs frozen")
+    parser.add_argument("--num-frames", type=int, default=defaults.num_frames)
+    parser.add_argument("--distill-weight", type=float, default=defaults.distill_weight)
+    parser.add_argument("--train-vision-dense-mlp", action="store_true",
+                        help="with --video, keep the vision tower's dense MLP (block 0) trainable")
+    parser.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank, merged at the end")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def run_train(args) -> int:
+    options = MoeVieTrainingOptions(
+        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, loss_type=args.loss, image_size=args.image_size,
+        video=args.video, num_frames=args.num_frames, distill_weight=args.distill_weight,
+        freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r, seed=args.seed,
+        logging_steps=args.logging_steps,
+    )
+    training = train_moe_vie(args.model, args.data, args.out, options, image_column=args.image_column,
+                             frames_column=args.frames_column, text_column=args.text_column,
+                             overwrite=args.overwrite)
+    print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
+    return 0
