@@ -1,7 +1,9 @@
 """MoE-ViE training: the global contrastive loss, video fine-tuning's freezing and distillation, the command, and a
 learning test on synthetic coloured shapes (spec moe_vie.md §10 items 10-11)."""
 
+import io
 import json
+import tarfile
 
 import pytest
 import torch
@@ -140,3 +142,20 @@ def test_tiny_moe_vie_learns_coloured_shapes(tiny, tmp_path):
     with torch.no_grad(), record_routing(model.vision_model) as stats:
         model.get_image_features(**batch)
     assert all((counts.sum(0) > 0).all() for counts in stats.counts.values())  # no expert ends with zero load
+
+
+def test_webdataset_shards_and_gradient_checkpointing(tiny, tmp_path):
+    examples = shapes().sample(8, torch.Generator().manual_seed(4))
+    with tarfile.open(tmp_path / "shard-000.tar", "w") as shard:
+        for i, example in enumerate(examples):
+            for suffix, payload in (("png", None), ("txt", example.caption.encode())):
+                if payload is None:
+                    buffer = io.BytesIO()
+                    example.image.save(buffer, "PNG")
+                    payload = buffer.getvalue()
+                entry = tarfile.TarInfo(f"{i:05d}.{suffix}")
+                entry.size = len(payload)
+                shard.addfile(entry, io.BytesIO(payload))
+    options = MoeVieTrainingOptions(steps=2, batch_size=4, gradient_checkpointing=True, logging_steps=1)
+    training = train_moe_vie(tiny, tmp_path / "shard-000.tar", tmp_path / "out", options)
+    assert training["examples"] == 8 and (tmp_path / "out" / "model.safetensors").is_file()
