@@ -29,7 +29,7 @@ from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
 from ..terminal import console, print_table
-from .callbacks import RoutingBiasCallback
+from .callbacks import RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, world
 from .plots import plot_training_curves
@@ -261,7 +261,6 @@ def train_moe_vie(
             dataloader_drop_last=True,  # the global contrastive loss needs equal batches on every process
             remove_unused_columns=False,
             use_cpu=not torch.cuda.is_available(),
-            disable_tqdm=False,
         )
         history = LossHistory()
         trainer_class, extra = MoeVieTrainer, {}
@@ -273,6 +272,7 @@ def train_moe_vie(
             callbacks=[RoutingBiasCallback(), history], **extra,
         )
         history.trainer = trainer
+        use_rich_progress(trainer)
         result = trainer.train()
         if options.lora_r:
             model = trained.merge_and_unload()

@@ -108,6 +108,7 @@ def plot_routing_heatmap(stats: RoutingStatistics, path: str | Path, title: str 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not stats.counts:
         raise ValueError("no routing was recorded: run a forward pass inside record_routing() first")
@@ -122,11 +123,12 @@ def plot_routing_heatmap(stats: RoutingStatistics, path: str | Path, title: str 
         figsize=(max(4.0, 0.18 * num_experts) * stats.num_groups + 1.5, 0.45 * len(layer_names) + 1.8),
         squeeze=False,
     )
-    for axis, grid, group in zip(axes[0], grids, stats.group_names):
+    for column, (axis, grid, group) in enumerate(zip(axes[0], grids, stats.group_names)):
         image = axis.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
         axis.set_title(group)
         axis.set_xlabel("expert")
-        axis.set_yticks(range(len(layer_names)), layer_names, fontsize=7)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_yticks(range(len(layer_names)), layer_names if column == 0 else [], fontsize=7)
     fig.colorbar(image, ax=axes[0].tolist(), label="share of the group's assignments")
     if title:
         fig.suptitle(title, y=1.0 + 0.35 / fig.get_size_inches()[1])
