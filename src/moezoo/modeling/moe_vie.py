@@ -39,6 +39,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.moe_vie import MoeVieConfig, MoeVieTextConfig, MoeVieVisionConfig
 from .moe.block import SparseMoeBlock
+from .moe.experts import SwiGLUMLP
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss, router_z_loss
 from .moe.pretrained import MoePreTrainedMixin
@@ -313,21 +314,8 @@ class MoeVieMLP(nn.Module):
         return self.fc2(self.activation_fn(self.fc1(hidden_states)))
 
 
-class MoeVieSwiGLUMLP(nn.Module):
-    """`down_proj(act(gate_proj(x)) * up_proj(x))`, with biases in the official model."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = True):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = ACT2FN[hidden_act]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
-
-
-DENSE_MLP_CLASSES = {"gelu": MoeVieMLP, "swiglu": MoeVieSwiGLUMLP}
+# SwiGLU with biases is the official dense MLP (block 0 and the text tower).
+DENSE_MLP_CLASSES = {"gelu": MoeVieMLP, "swiglu": SwiGLUMLP}
 
 
 class MoeVieEncoderLayer(GradientCheckpointingLayer):

@@ -79,13 +79,14 @@ class GeluExperts(_ExpertLoop):
 
 
 class SwiGLUMLP(nn.Module):
-    """A dense SwiGLU MLP without biases (the parameter names of Qwen3.5-MoE's shared expert)."""
+    """A dense SwiGLU MLP, `down_proj(act(gate_proj(x)) * up_proj(x))`: the parameter names of Qwen3.5-MoE's shared
+    expert (no biases) and of MoE-ViE's dense block (with biases)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
