@@ -46,7 +46,8 @@ def toy_registered():
     sys.path.insert(0, str(TESTS))
     from toy_arch import presets
 
-    if presets.ARCHITECTURE.name not in ARCHITECTURES:
-        register(presets.ARCHITECTURE, presets.PRESETS, presets.CONVERTERS)
-        register_auto_classes(presets.ARCHITECTURE)
-    return presets.ARCHITECTURE
+    toy = presets.ARCHITECTURES[0]
+    if toy.name not in ARCHITECTURES:
+        register(presets.ARCHITECTURES, presets.PRESETS, presets.CONVERTERS)
+        register_auto_classes(toy)
+    return toy

@@ -12,16 +12,15 @@ import pytest
 from huggingface_hub import ModelCard
 
 import moezoo  # noqa: F401  (fills the catalogue)
-from moezoo.registry import ARCHITECTURES, PRESET_MODULES
+from moezoo.registry import ARCHITECTURES, PRESETS, ZOO_ARCHITECTURES
 
 from conftest import run_moezoo, run_python
 
 
-ZOO_ARCHITECTURES = [name for name in ARCHITECTURES if name in PRESET_MODULES]
-
-
-def test_every_architecture_module_is_in_the_catalogue():
-    assert sorted(ZOO_ARCHITECTURES) == sorted(PRESET_MODULES)
+def test_every_architecture_has_a_tiny_preset():
+    assert ZOO_ARCHITECTURES
+    for name in ZOO_ARCHITECTURES:
+        assert f"tiny-{name}" in PRESETS, name
 
 
 @pytest.mark.parametrize("architecture", ZOO_ARCHITECTURES)

@@ -1,9 +1,9 @@
 """The zoo's catalogue: architectures, presets and converters, kept as data.
 
-Each architecture contributes one module under `moezoo/presets/` with three pieces of data, in the manner of
+Each architecture family contributes one module under `moezoo/presets/` with three pieces of data, in the manner of
 timm's pretrained configs and open_clip's model configs:
 
-    ARCHITECTURE = Architecture(...)      # its classes, Auto classes, processor, model card
+    ARCHITECTURES = [Architecture(...)]   # its classes, Auto classes, processor, model card (one per model_type)
     PRESETS = [Preset(...), ...]          # named configs with their base checkpoints and converter
     CONVERTERS = [Converter(...), ...]    # source formats it can be converted from
 
@@ -77,6 +77,8 @@ class Converter:
 ARCHITECTURES: dict[str, Architecture] = {}
 PRESETS: dict[str, Preset] = {}
 CONVERTERS: dict[str, Converter] = {}
+# The architectures of moezoo's own catalogue modules (not those added through MOEZOO_EXTRA_PRESETS).
+ZOO_ARCHITECTURES: list[str] = []
 
 # One module per architecture under moezoo/presets/, added as each architecture lands.
 PRESET_MODULES: tuple[str, ...] = ("moe_vie",)
@@ -91,9 +93,10 @@ def resolve(path: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-def register(architecture: Architecture, presets=(), converters=()) -> None:
-    """Add an architecture with its presets and converters to the catalogue (tests register toy ones)."""
-    ARCHITECTURES[architecture.name] = architecture
+def register(architectures: Architecture | list[Architecture], presets=(), converters=()) -> None:
+    """Add architectures with their presets and converters to the catalogue (tests register toy ones)."""
+    for architecture in [architectures] if isinstance(architectures, Architecture) else architectures:
+        ARCHITECTURES[architecture.name] = architecture
     for preset in presets:
         if preset.architecture not in ARCHITECTURES:
             raise ValueError(f"preset {preset.name!r} names unknown architecture {preset.architecture!r}")
@@ -103,11 +106,14 @@ def register(architecture: Architecture, presets=(), converters=()) -> None:
 
 
 def load_catalogue() -> None:
-    modules = [f"moezoo.presets.{name}" for name in PRESET_MODULES]
-    modules += [name.strip() for name in os.environ.get(EXTRA_PRESET_MODULES_ENV, "").split(",") if name.strip()]
-    for module_name in modules:
+    for name in PRESET_MODULES:
+        module = importlib.import_module(f"moezoo.presets.{name}")
+        register(module.ARCHITECTURES, module.PRESETS, module.CONVERTERS)
+        ZOO_ARCHITECTURES.extend(architecture.name for architecture in module.ARCHITECTURES)
+    extra = [name.strip() for name in os.environ.get(EXTRA_PRESET_MODULES_ENV, "").split(",") if name.strip()]
+    for module_name in extra:
         module = importlib.import_module(module_name)
-        register(module.ARCHITECTURE, module.PRESETS, getattr(module, "CONVERTERS", ()))
+        register(module.ARCHITECTURES, module.PRESETS, getattr(module, "CONVERTERS", ()))
 
 
 def get_architecture(name: str) -> Architecture:

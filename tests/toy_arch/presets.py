@@ -5,20 +5,22 @@ from pathlib import Path
 from moezoo.registry import Architecture, Converter, Preset
 
 
-ARCHITECTURE = Architecture(
-    name="moezoo_toy",
-    title="Toy MoE",
-    config="toy_arch.configuration_toy:ToyMoeConfig",
-    models={
-        "AutoModel": "toy_arch.modeling_toy:ToyMoeModel",
-        "AutoModelForSequenceClassification": "toy_arch.modeling_toy:ToyMoeForSequenceClassification",
-    },
-    processor="toy_arch.processing_toy:ToyMoeProcessor",
-    processor_parts={"AutoImageProcessor": "toy_arch.processing_toy:ToyMoeImageProcessor"},
-    make_processor="toy_arch.processing_toy:make_toy_processor",
-    pipeline_tag="feature-extraction",
-    model_card=str(Path(__file__).with_name("model_card.md")),
-)
+ARCHITECTURES = [
+    Architecture(
+        name="moezoo_toy",
+        title="Toy MoE",
+        config="toy_arch.configuration_toy:ToyMoeConfig",
+        models={
+            "AutoModel": "toy_arch.modeling_toy:ToyMoeModel",
+            "AutoModelForSequenceClassification": "toy_arch.modeling_toy:ToyMoeForSequenceClassification",
+        },
+        processor="toy_arch.processing_toy:ToyMoeProcessor",
+        processor_parts={"AutoImageProcessor": "toy_arch.processing_toy:ToyMoeImageProcessor"},
+        make_processor="toy_arch.processing_toy:make_toy_processor",
+        pipeline_tag="feature-extraction",
+        model_card=str(Path(__file__).with_name("model_card.md")),
+    )
+]
 
 PRESETS = [
     Preset(name="tiny-moezoo_toy", architecture="moezoo_toy", config={}, description="toy, for tests"),

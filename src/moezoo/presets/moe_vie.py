@@ -6,26 +6,28 @@ from ..configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, TINY_MOE_VIE
 from ..registry import Architecture, Converter, Preset
 
 
-ARCHITECTURE = Architecture(
-    name="moe_vie",
-    title="MoE-ViE",
-    config="moezoo.configuration.moe_vie:MoeVieConfig",
-    models={
-        "AutoModel": "moezoo.modeling.moe_vie:MoeVieModel",
-        "AutoModelForZeroShotImageClassification": "moezoo.modeling.moe_vie:MoeVieModel",
-    },
-    processor="moezoo.processors.moe_vie:MoeVieProcessor",
-    processor_parts={"AutoImageProcessor": "moezoo.processors.moe_vie:MoeVieImageProcessor"},
-    make_processor="moezoo.processors.build:make_moe_vie_processor",
-    pipeline_tag="zero-shot-image-classification",
-    model_card="moe_vie.md",
-    tags=("clip", "vision", "zero-shot-image-classification", "video"),
-    paper_counted_modules=("vision_model", "visual_projection"),
-    sub_configs={
-        "moe_vie_vision_model": "moezoo.configuration.moe_vie:MoeVieVisionConfig",
-        "moe_vie_text_model": "moezoo.configuration.moe_vie:MoeVieTextConfig",
-    },
-)
+ARCHITECTURES = [
+    Architecture(
+        name="moe_vie",
+        title="MoE-ViE",
+        config="moezoo.configuration.moe_vie:MoeVieConfig",
+        models={
+            "AutoModel": "moezoo.modeling.moe_vie:MoeVieModel",
+            "AutoModelForZeroShotImageClassification": "moezoo.modeling.moe_vie:MoeVieModel",
+        },
+        processor="moezoo.processors.moe_vie:MoeVieProcessor",
+        processor_parts={"AutoImageProcessor": "moezoo.processors.moe_vie:MoeVieImageProcessor"},
+        make_processor="moezoo.processors.build:make_moe_vie_processor",
+        pipeline_tag="zero-shot-image-classification",
+        model_card="moe_vie.md",
+        tags=("clip", "vision", "zero-shot-image-classification", "video"),
+        paper_counted_modules=("vision_model", "visual_projection"),
+        sub_configs={
+            "moe_vie_vision_model": "moezoo.configuration.moe_vie:MoeVieVisionConfig",
+            "moe_vie_text_model": "moezoo.configuration.moe_vie:MoeVieTextConfig",
+        },
+    )
+]
 
 # The tiny preset is the spec's test configuration with a 128-token text vocabulary, so that the words of moezoo's
 # synthetic data sets (colours, shapes, motions) are single tokens of its offline tokenizer.
