@@ -4,6 +4,7 @@ The YAML metadata is built here (huggingface_hub's `ModelCardData`), the prose c
 receives:
     card_data        the YAML block (without the --- fences)
     repo_id          where the model will live (a Hub id, or the folder path before a push)
+    architecture     the architecture's model_type (one template may serve several, e.g. MoTE's)
     title            the architecture's name
     provenance       the folder's moezoo.json: source, base_model, converter, max_abs_diff, training, ...
     parameters       {"total": int, "active": int}
@@ -59,6 +60,7 @@ def render_model_card(
     text = template.render(
         card_data=card_metadata(architecture, provenance).to_yaml(),
         repo_id=repo_id,
+        architecture=architecture.name,
         title=architecture.title,
         provenance=provenance,
         parameters=parameters,
