@@ -1,0 +1,195 @@
+"""GLM-OCR -> GLM-OCR-MoTE (spec mote.md §5.1), streaming tensor by tensor.
+
+Only the decoder FFNs change: `model.language_model.layers.{l}.mlp.{gate_up_proj,down_proj}.weight` of each converted
+layer become the experts of §5.3 (by default routed copies and a shared expert whose `down_proj` is zero, so every
+route is GLM-OCR exactly). The vision tower and the merger, whose MLPs have the same projection names, are copied
+unchanged: the FFN pattern is anchored on `model.language_model.layers`. The multi-token-prediction layer
+(`model.language_model.layers.{num_hidden_layers}.*`, `num_nextn_predict_layers: 1` in the release) is dropped, as
+MoTE does not support MTP decoding (spec A22); the report lists every dropped tensor.
+"""
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
+
+from ..configuration.mote import GlmOcrMoteConfig
+from ..modeling.mote import GlmOcrMoteForConditionalGeneration
+from .common import ConversionResult
+from .mote_common import (
+    DTYPES,
+    GLM_FFN,
+    SafetensorsCheckpoint,
+    StateWriter,
+    add_common_arguments,
+    as_experts,
+    mote_fields,
+    plain_config_fields,
+    read_config,
+    route_differences,
+    source_generation_config,
+    source_license,
+    source_tokenizer,
+    uninitialised,
+)
+
+
+logger = logging.getLogger(__name__)
+
+_DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
+_DECODER_FFN = re.compile(r"mlp\.(gate_up_proj|down_proj)\.weight")
+
+
+def convert_glm_ocr_to_mote(
+    source: str | Path,
+    experts=("ocr", "kie"),
+    construction: str = "copy",
+    default_route: str | None = "ocr",
+    mote_layers: list[int] | None = None,
+    num_shared_experts: int = 1,
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+    verify: bool = True,
+) -> tuple[GlmOcrMoteForConditionalGeneration, dict]:
+    """Convert a GLM-OCR checkpoint folder (`model_type: glm_ocr`, safetensors) into GLM-OCR-MoTE.
+
+    Args:
+        experts: expert names in route order, optionally with descriptions (`{"ocr": None, "kie": "..."}`, a list of
+            names, or the `--experts` text `"ocr,kie:extract fields"`); a missing description is the default of a
+            known route name.
+        construction: `"copy"` (default, function-preserving), `"copy_half"`, `"paper_literal"` or `"split"`
+            (spec §5.3).
+        default_route: the expert used without `task_ids`; `"ocr"` makes the model act as GLM-OCR by default.
+        mote_layers: the decoder layers to convert (default: all).
+        num_shared_experts: 1 (default) or 0.
+        dtype: of the converted model (and of the source model the routes are measured against).
+        seed: seeds the neuron partition of `split`.
+        verify: run GLM-OCR and every route on two synthetic image + text examples; the report gets the largest
+            logit difference of each route (`max_abs_diff_by_route`) and overall (`max_abs_diff`).
+
+    Returns:
+        The model in eval mode and a report: source, licence, configuration, key accounting (copied, turned into
+        experts, dropped with the reason), parameter counts, measured differences.
+    """
+    folder = Path(source)
+    dtype = DTYPES.get(dtype, dtype)
+    experts = as_experts(experts)
+    source_config = read_config(folder, ("glm_ocr",), "GLM-OCR")
+    text_fields = plain_config_fields(source_config.get("text_config", {}))
+    # The MTP layer is dropped, so the converted config does not announce one.
+    num_mtp_layers = text_fields.pop("num_nextn_predict_layers", 0)
+    dense_text_config = GlmOcrTextConfig(**text_fields)
+    config = GlmOcrMoteConfig(
+        **plain_config_fields(source_config)
+        | dict(
+            text_config=text_fields | mote_fields(
+                experts, construction, dense_text_config.intermediate_size, num_shared_experts, default_route,
+                mote_layers, base_model=str(folder),
+            ),
+            vision_config=plain_config_fields(source_config.get("vision_config", {})),
+        )
+    )
+    text_config = config.text_config
+    num_layers = text_config.num_hidden_layers
+
+    model = uninitialised(GlmOcrMoteForConditionalGeneration, config, dtype)
+    writer = StateWriter(model, GLM_FFN, text_config.mote_expert_names, construction, num_shared_experts,
+                         torch.Generator().manual_seed(seed))
+    with SafetensorsCheckpoint(folder).tensors() as tensors:
+        for key, load in tensors:
+            layer = _DECODER_LAYER.fullmatch(key)
+            layer_idx = int(layer[1]) if layer else None
+            if layer and num_layers <= layer_idx < num_layers + num_mtp_layers:
+                writer.drop(key, "the multi-token-prediction (MTP) layer: MoTE does not support MTP decoding")
+            elif layer and _DECODER_FFN.fullmatch(layer[2]) and text_config.is_mote_layer(layer_idx):
+                projection = layer[2].removeprefix("mlp.")
+                writer.add_ffn(key, f"model.language_model.layers.{layer_idx}.mlp", projection, load())
+            else:
+                writer.copy(key, key, load())
+    ffn_prefixes = [f"model.language_model.layers.{i}.mlp" for i in range(num_layers) if text_config.is_mote_layer(i)]
+    accounting = writer.finish({prefix: {p: f"{prefix}.{p}" for p in GLM_FFN.projections} for prefix in ffn_prefixes})
+    if accounting["dropped"]:
+        logger.info("dropped %d tensors of the MTP layer", len(accounting["dropped"]))
+    generation_config = source_generation_config(folder)
+    if generation_config is not None:
+        model.generation_config = generation_config
+    model.eval()
+
+    differences = measure_routes(model, folder, dtype) if verify else None
+    report = {
+        "source": str(folder),
+        "source_model_type": "glm_ocr",
+        "base_model": str(folder),
+        "license": source_license(folder),
+        "construction": construction,
+        "mote_init": text_config.mote_init,
+        "experts": text_config.mote_expert_names,
+        "default_route": text_config.mote_default_route,
+        "key_accounting": accounting,
+        "parameters": {
+            "total": sum(p.numel() for p in model.parameters()),
+            "active": model.active_parameter_count(),
+            "language_model_total": model.num_parameters_mote(active=False),
+            "language_model_active": model.num_parameters_mote(active=True),
+        },
+        "max_abs_diff": None if differences is None else max(differences.values()),
+        "max_abs_diff_by_route": differences,
+        "notes": [
+            (
+                "max_abs_diff: every route's logits against GLM-OCR's on two synthetic image + text examples (0 for "
+                "the function-preserving constructions copy and copy_half)."
+            ),
+            "The MTP layer is dropped: MoTE does not support multi-token-prediction decoding.",
+        ],
+    }
+    return model, report
+
+
+@torch.no_grad()
+def measure_routes(model: GlmOcrMoteForConditionalGeneration, folder: Path, dtype: torch.dtype) -> dict[str, float]:
+    """max |logits| difference of every route against the source GLM-OCR on synthetic inputs."""
+    reference = GlmOcrForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).eval()
+    inputs = synthetic_inputs(model.config)
+    expected = reference(**inputs).logits
+    del reference
+    return route_differences(model, expected, inputs)
+
+
+def synthetic_inputs(config: GlmOcrMoteConfig, batch_size: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`batch_size` examples of one 4x4-patch image (4 image tokens) between a few text tokens, as GLM-OCR's processor
+    lays them out."""
+    generator = torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    special = (config.image_token_id, config.video_token_id, config.image_start_token_id, config.image_end_token_id,
+               config.video_start_token_id, config.video_end_token_id)
+    text_ids = torch.randint(0, min(*special, 1000), (batch_size, 6), generator=generator)
+    tokens_per_image = 16 // vision.spatial_merge_size**2
+    image = torch.tensor(
+        [config.image_start_token_id] + [config.image_token_id] * tokens_per_image + [config.image_end_token_id]
+    )
+    input_ids = torch.cat([text_ids[:, :3], image.expand(batch_size, -1), text_ids[:, 3:]], dim=1)
+    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": torch.randn(batch_size * 16, patch_values, generator=generator),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * batch_size),
+        "mm_token_type_ids": (input_ids == config.image_token_id).int(),
+    }
+
+
+# --- `moezoo convert --to glm_ocr_mote --from <GLM-OCR folder or Hub id>` ------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser, default_experts="ocr,kie")
+    parser.set_defaults(default_route="ocr")
+
+
+def convert(source: Path, **options) -> ConversionResult:
+    """The converter behind the command: the model and GLM-OCR's tokenizer (with its chat template); the image
+    processor is the MoTE processor's (GlmOcrMoteProcessor), not built here."""
+    model, report = convert_glm_ocr_to_mote(source, **options)
+    return ConversionResult(model, source_tokenizer(Path(source)), report)

@@ -1,0 +1,276 @@
+"""Llama-3.2 (+ SigLIP 2) -> VideoLLM-MoTE, or Llama alone -> LlamaMote (spec mote.md §5.2), tensor by tensor.
+
+The decoder FFNs `model.layers.{l}.mlp.{gate,up,down}_proj.weight` of each converted layer become the experts of §5.3
+(by default routed copies and a shared expert whose `down_proj` is zero, so every route is the dense Llama exactly);
+every other Llama tensor is copied, under `model.language_model.` in VideoLLM-MoTE. The LM head stays tied.
+
+With a vision checkpoint (a FixRes SigLIP 2 `SiglipModel` or `SiglipVisionModel`, `model_type` `siglip` /
+`siglip_vision_model`), `vision_model.*` becomes the frozen `model.vision_tower.*`; SigLIP's text tower and
+contrastive scale/bias are dropped. The two-layer projector is new: initialised N(0, initializer_range) with zero
+biases from `seed`, and reported as such. The `<v>` placeholder reuses a reserved Llama-3 special token, so the
+embedding table keeps its size (spec A17); its id and the id of `,` (between frames) come from the Llama tokenizer
+unless given.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
+from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
+from .common import ConversionResult
+from .mote_common import (
+    DTYPES,
+    LLAMA_FFN,
+    SafetensorsCheckpoint,
+    StateWriter,
+    add_common_arguments,
+    as_experts,
+    mote_fields,
+    plain_config_fields,
+    read_config,
+    route_differences,
+    source_generation_config,
+    source_license,
+    source_tokenizer,
+    uninitialised,
+)
+
+
+_DECODER_FFN = re.compile(r"model\.layers\.(\d+)\.mlp\.((?:gate|up|down)_proj\.weight)")
+_SIGLIP_DROPPED = re.compile(r"text_model\..*|logit_scale|logit_bias")
+VIDEO_TOKEN = "<|reserved_special_token_0|>"
+FRAME_SEPARATOR = ","
+
+
+def convert_llama_to_mote(
+    llm: str | Path,
+    experts=tuple(COIN_EXPERTS),
+    vision: str | Path | None = None,
+    construction: str = "copy",
+    default_route: str | None = None,
+    mote_layers: list[int] | None = None,
+    num_shared_experts: int = 1,
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+    verify: bool = True,
+    video_token: str = VIDEO_TOKEN,
+    video_token_id: int | None = None,
+    frame_token_interval_id: int | None = None,
+) -> tuple[LlamaMoteForCausalLM | VideoLlmMoteForConditionalGeneration, dict]:
+    """Convert a Llama checkpoint folder (`model_type: llama`, safetensors) into `LlamaMoteForCausalLM`, or, with
+    `vision`, a SigLIP checkpoint folder too, into `VideoLlmMoteForConditionalGeneration`.
+
+    Args:
+        experts / construction / default_route / mote_layers / num_shared_experts / dtype / seed: as in
+            `convert_glm_ocr_to_mote`; the default experts are the five COIN routes.
+        verify: run the dense Llama (and SigLIP) and every route on synthetic inputs (two video examples for
+            VideoLLM-MoTE: frames through both vision towers, then the same projector) and report the differences.
+        video_token / video_token_id / frame_token_interval_id: the `<v>` placeholder and the `,` between frames
+            (VideoLLM-MoTE only); the ids default to the Llama tokenizer's.
+    """
+    folder = Path(llm)
+    dtype = DTYPES.get(dtype, dtype)
+    experts = as_experts(experts)
+    llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
+    text_fields = llm_fields | mote_fields(
+        experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
+        mote_layers, base_model=str(folder),
+    )
+    vision_folder = None if vision is None else Path(vision)
+    if vision_folder is None:
+        config, model_class, prefix = LlamaMoteConfig(**text_fields), LlamaMoteForCausalLM, "model."
+    else:
+        vision_source = read_config(vision_folder, ("siglip", "siglip_vision_model"), "FixRes SigLIP (2)")
+        vision_fields = plain_config_fields(vision_source.get("vision_config", vision_source))
+        video_token_id, frame_token_interval_id = _placeholder_ids(
+            folder, video_token, video_token_id, frame_token_interval_id
+        )
+        config = VideoLlmMoteConfig(
+            text_config=text_fields, vision_config=vision_fields, video_token=video_token,
+            video_token_id=video_token_id, frame_token_interval_id=frame_token_interval_id,
+            frame_resolution=SiglipVisionConfig(**vision_fields).image_size,
+            tie_word_embeddings=LlamaConfig(**llm_fields).tie_word_embeddings,
+        )
+        model_class, prefix = VideoLlmMoteForConditionalGeneration, "model.language_model."
+    text_config = config.get_text_config()
+
+    model = uninitialised(model_class, config, dtype)
+    writer = StateWriter(model, LLAMA_FFN, text_config.mote_expert_names, construction, num_shared_experts,
+                         torch.Generator().manual_seed(seed))
+    with SafetensorsCheckpoint(folder).tensors() as tensors:
+        for key, load in tensors:
+            ffn = _DECODER_FFN.fullmatch(key)
+            if ffn and text_config.is_mote_layer(int(ffn[1])):
+                writer.add_ffn(key, f"{prefix}layers.{ffn[1]}.mlp", ffn[2], load())
+            elif key == "lm_head.weight" and config.tie_word_embeddings:
+                writer.drop(key, "the LM head is tied to the token embeddings")
+            else:
+                writer.copy(key, prefix + key.removeprefix("model.") if key.startswith("model.") else key, load())
+    if vision_folder is not None:
+        with SafetensorsCheckpoint(vision_folder).tensors() as tensors:
+            for key, load in tensors:
+                if _SIGLIP_DROPPED.fullmatch(key):
+                    writer.drop(key, "SigLIP's text tower and contrastive scale/bias are not part of VideoLLM-MoTE")
+                else:
+                    writer.copy(key, "model.vision_tower." + key.removeprefix("vision_model."), load())
+        _initialise_projector(writer, model, text_config.initializer_range, seed)
+    accounting = writer.finish({
+        f"{prefix}layers.{i}.mlp": {p: f"model.layers.{i}.mlp.{p}" for p in LLAMA_FFN.projections}
+        for i in range(text_config.num_hidden_layers) if text_config.is_mote_layer(i)
+    })
+    generation_config = source_generation_config(folder)
+    if generation_config is not None:
+        model.generation_config = generation_config
+    model.eval()
+
+    differences = None
+    if verify:
+        differences = (measure_llama_routes(model, folder, dtype) if vision_folder is None
+                       else measure_videollm_routes(model, folder, vision_folder, dtype))
+    report = {
+        "source": str(folder),
+        "vision_source": None if vision_folder is None else str(vision_folder),
+        "source_model_type": "llama",
+        "base_model": str(folder),
+        "license": source_license(folder),
+        "construction": construction,
+        "mote_init": text_config.mote_init,
+        "experts": text_config.mote_expert_names,
+        "default_route": text_config.mote_default_route,
+        "key_accounting": accounting,
+        "parameters": {
+            "total": sum(p.numel() for p in model.parameters()),
+            "active": model.active_parameter_count(),
+            "language_model_total": model.num_parameters_mote(active=False),
+            "language_model_active": model.num_parameters_mote(active=True),
+        },
+        "max_abs_diff": None if differences is None else max(differences.values()),
+        "max_abs_diff_by_route": differences,
+        "notes": [
+            (
+                "max_abs_diff: every route's logits against the dense Llama's on synthetic inputs (0 for the "
+                "function-preserving constructions copy and copy_half)."
+            ),
+        ],
+    }
+    if vision_folder is not None:
+        report["notes"].append(
+            f"The projector is new (seed {seed}): train it before use. Video frames are written as "
+            f"{config.frame_num_tokens} x {video_token!r} (id {config.video_token_id}) separated by id "
+            f"{config.frame_token_interval_id}."
+        )
+    return model, report
+
+
+def _placeholder_ids(folder: Path, video_token: str, video_token_id, frame_token_interval_id) -> tuple[int, int]:
+    """The ids of `<v>` and of the frame separator: given, or looked up in the Llama tokenizer."""
+    if video_token_id is not None and frame_token_interval_id is not None:
+        return video_token_id, frame_token_interval_id
+    tokenizer = source_tokenizer(folder)
+    if tokenizer is None:
+        raise ValueError(
+            f"{folder} has no tokenizer to look up the ids of {video_token!r} and {FRAME_SEPARATOR!r}: pass "
+            "video_token_id and frame_token_interval_id"
+        )
+    if video_token_id is None:
+        video_token_id = tokenizer.convert_tokens_to_ids(video_token)
+        if video_token_id is None or video_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the Llama tokenizer has no token {video_token!r}; pass video_token_id")
+    if frame_token_interval_id is None:
+        separator = tokenizer.encode(FRAME_SEPARATOR, add_special_tokens=False)
+        if len(separator) != 1:
+            raise ValueError(
+                f"{FRAME_SEPARATOR!r} is not one token of the Llama tokenizer; pass frame_token_interval_id"
+            )
+        frame_token_interval_id = separator[0]
+    return video_token_id, frame_token_interval_id
+
+
+def _initialise_projector(writer: StateWriter, model, std: float, seed: int) -> None:
+    """The projector has no source (spec §5.2): N(0, std) weights and zero biases, from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    reason = f"new: N(0, {std}) weights, zero biases, seed {seed}"
+    for name, parameter in model.model.multi_modal_projector.named_parameters():
+        if name.endswith("bias"):
+            value = torch.zeros(parameter.shape)
+        else:
+            value = torch.randn(parameter.shape, generator=generator) * std
+        writer.initialise(f"model.multi_modal_projector.{name}", value, reason)
+
+
+# --- measuring the conversion ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_llama_routes(model: LlamaMoteForCausalLM, folder: Path, dtype: torch.dtype) -> dict[str, float]:
+    reference = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    expected = reference(**inputs).logits
+    return route_differences(model, expected, inputs)
+
+
+@torch.no_grad()
+def measure_videollm_routes(
+    model: VideoLlmMoteForConditionalGeneration, llm: Path, vision: Path, dtype: torch.dtype
+) -> dict[str, float]:
+    """Two examples with two frames each. The reference runs the source SigLIP, the (shared, new) projector and the
+    dense Llama on embeddings; `"vision_tower"` is the difference of the frame tokens."""
+    config = model.config
+    reference_llm = LlamaForCausalLM.from_pretrained(str(llm), dtype=dtype).eval()
+    reference_vision = SiglipVisionModel.from_pretrained(str(vision), dtype=dtype).eval()
+    inputs = synthetic_video_inputs(config)
+    frames = reference_vision(pixel_values=inputs["pixel_values_videos"].to(dtype))
+    reference_tokens = model.model.frame_tokens(frames.last_hidden_state, frames.pooler_output)
+    tokens = torch.cat(model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output)
+    embeds = reference_llm.get_input_embeddings()(inputs["input_ids"])
+    video_embeds = model.model.multi_modal_projector(reference_tokens.flatten(0, 1))
+    embeds = embeds.masked_scatter((inputs["input_ids"] == config.video_token_id)[..., None], video_embeds)
+    expected = reference_llm(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
+    differences = route_differences(model, expected, inputs)
+    differences["vision_tower"] = float((tokens - reference_tokens.flatten(0, 1)).abs().max())
+    return differences
+
+
+def synthetic_video_inputs(config: VideoLlmMoteConfig, frames_per_video: int = 2, seed: int = 0) -> dict:
+    """Two examples `text [<v> x frame_num_tokens , <v> x frame_num_tokens] text` with random frames in [-1, 1]."""
+    generator = torch.Generator().manual_seed(seed)
+    frame = [config.video_token_id] * config.frame_num_tokens
+    stream = frame
+    for _ in range(frames_per_video - 1):
+        stream = [*stream, config.frame_token_interval_id, *frame]
+    special = min(config.video_token_id, config.frame_token_interval_id)
+    text = torch.randint(0, max(special, 1), (2, 6), generator=generator)
+    input_ids = torch.cat([text[:, :3], torch.tensor(stream).expand(2, -1), text[:, 3:]], dim=1)
+    size = config.vision_config.image_size
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values_videos": torch.rand(2 * frames_per_video, 3, size, size, generator=generator) * 2 - 1,
+        "video_num_frames": torch.tensor([frames_per_video, frames_per_video]),
+    }
+
+
+# --- `moezoo convert --to videollm_mote --from <Llama folder> --vision <SigLIP folder>` -----------------------------
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser, default_experts=",".join(COIN_EXPERTS))
+    parser.add_argument("--vision", default=None,
+                        help="a FixRes SigLIP 2 folder (e.g. siglip2-large-patch16-384): converts into VideoLLM-MoTE; "
+                             "without it, into the text-only LlamaMote")
+    parser.add_argument("--video-token", default=VIDEO_TOKEN, help="the reserved Llama-3 token used as <v>")
+    parser.add_argument("--video-token-id", type=int, default=None, help="its id (default: the tokenizer's)")
+    parser.add_argument("--frame-token-interval-id", type=int, default=None,
+                        help=f"the id of {FRAME_SEPARATOR!r} between frames (default: the tokenizer's)")
+
+
+def convert(source: Path, **options) -> ConversionResult:
+    """The converter behind the command: the model and the Llama tokenizer (with its chat template); the video
+    processor is the MoTE processor's (VideoLlmMoteProcessor), not built here."""
+    model, report = convert_llama_to_mote(source, **options)
+    return ConversionResult(model, source_tokenizer(Path(source)), report)
