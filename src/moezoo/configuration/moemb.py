@@ -1,0 +1,324 @@
+"""MoEMB configuration: a universal multimodal embedder on a Qwen3.5(-MoE) backbone (spec moemb.md §4).
+
+The backbone is described by transformers' own Qwen3.5-MoE sub-configs (`text_config`, `vision_config`), so a
+Qwen3.5-MoE `config.json` maps onto MoEMB field by field. The three backbone designs of the paper (§3.1) are the same
+classes with other field values:
+
+- `moe_variant="native"`: the pretrained Qwen3.5-MoE layers unchanged: softmax top-k router (frozen by default),
+  gated shared expert (spec §2.4);
+- `"upcycled"`: a dense Qwen3.5 FFN copied into `num_experts` experts of `granularity` slices each, a new router with
+  a logit bias, no shared expert, routed weights scaled by the granularity (spec §2.5);
+- `"modality"`: one copy of the dense FFN per modality and a fixed route by token modality (spec §2.6).
+
+Both dense-derived designs are expressed as MoE text configs (`num_experts`, `num_experts_per_tok`,
+`moe_intermediate_size`), with `shared_expert_intermediate_size` unused. Every invalid value fails at construction
+with a `ValueError` that names the field.
+"""
+
+import math
+
+from transformers import PreTrainedConfig
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig, Qwen3_5MoeVisionConfig
+
+from ..modeling.moe.spec import MoeLayerSpec
+
+
+MOE_VARIANTS = ("native", "upcycled", "modality")
+POOLING_TYPES = ("emb_token", "last_token")
+SOURCE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5")
+# mm_token_type_ids values of the Qwen3.5 processor: what a modality expert map is keyed by.
+TOKEN_MODALITIES = {0: "text", 1: "image", 2: "video"}
+UPCYCLE_ROUTER_INITS = ("random", "tiled", "zero_bias")
+# Names under which older or dense checkpoints store the sub-configs (Qwen3_5MoeConfig renames the first one too).
+_SUB_CONFIG_MODEL_TYPES = {
+    "text_config": ("qwen3_5_moe_text", ("qwen3_5_text",)),
+    "vision_config": ("qwen3_5_moe_vision", ("qwen3_5_moe", "qwen3_5_vision")),
+}
+
+
+class MoEmbConfig(PreTrainedConfig):
+    r"""The embedder: a Qwen3.5-MoE vision tower and text model, `<emb>`-token pooling, L2-normalised embeddings.
+
+    Args:
+        text_config / vision_config: `Qwen3_5MoeTextConfig` / `Qwen3_5MoeVisionConfig` (or their dicts), read from the
+            source checkpoint; `vision_config.out_hidden_size` must equal `text_config.hidden_size`.
+        image_token_id / video_token_id / vision_start_token_id / vision_end_token_id: the Qwen3.5 placeholders.
+        moe_variant: `"native"`, `"upcycled"` or `"modality"` (see the module docstring).
+        source_model_type: the checkpoint the model was converted from (`"qwen3_5_moe"` or the dense `"qwen3_5"`).
+        pooling: `"emb_token"` pools the hidden state of the `<emb>` token (the paper's default, Table 5),
+            `"last_token"` the last non-padding token.
+        emb_token / emb_token_id: the pooling token and its id; the id is assigned by the conversion (it is `None` in
+            configs built from scratch, which then pool with an explicit `pooled_index`).
+        normalize_embeddings: L2-normalise the pooled vectors.
+        logit_scale: the fixed inverse temperature of the contrastive logits (50, i.e. tau = 0.02).
+        router_trainable: whether training updates the routers (`mlp.gate.*`): frozen for "native" by default, as in
+            the paper (Table 5), trained for "upcycled" (a new router); the "modality" variant has none. Read by the
+            training code when it chooses the trainable parameters (`from_pretrained` makes every parameter
+            trainable, so the model itself cannot hold the choice).
+        use_shared_expert: the gated shared expert of Qwen3.5-MoE (default: only for "native").
+        router_bias: a learned logit bias `z = W x + b` in the router (default: only for "upcycled").
+        routed_scaling_factor: multiplies the renormalised routed weights (default: `upcycle_granularity` for
+            "upcycled", which keeps the upcycled layer equal to the dense FFN at initialisation; 1 otherwise).
+        upcycle_granularity: "upcycled" only: how many slices the dense FFN was cut into (G).
+        upcycle_router_init: "upcycled" only, provenance: `"random"`, `"tiled"` or `"zero_bias"` (spec §2.5).
+        modality_expert_map: "modality" only: expert of each token modality (`mm_token_type_ids` 0 text, 1 image,
+            2 video), default `{0: 0, 1: 1, 2: 2}`; `text_config.num_experts` must equal its number of experts.
+    """
+
+    model_type = "moemb"
+    sub_configs_defaults = {"text_config": Qwen3_5MoeTextConfig, "vision_config": Qwen3_5MoeVisionConfig}
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    moe_variant: str = "native"
+    source_model_type: str = "qwen3_5_moe"
+    pooling: str = "emb_token"
+    emb_token: str = "<emb>"
+    emb_token_id: int | None = None
+    normalize_embeddings: bool = True
+    logit_scale: float = 50.0
+    router_trainable: bool | None = None
+    use_shared_expert: bool | None = None
+    router_bias: bool | None = None
+    routed_scaling_factor: float | None = None
+    upcycle_granularity: int | None = None
+    upcycle_router_init: str | None = None
+    modality_expert_map: dict | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        for key, (model_type, legacy_types) in _SUB_CONFIG_MODEL_TYPES.items():
+            sub_config = getattr(self, key)
+            if isinstance(sub_config, dict) and sub_config.get("model_type") in legacy_types:
+                setattr(self, key, {**sub_config, "model_type": model_type})
+        super().__post_init__(**kwargs)  # builds the sub-configs from dicts / defaults
+        _require_choice(self, "moe_variant", MOE_VARIANTS)
+        self._resolve_variant_defaults()
+        self.validate_fields()
+
+    def _resolve_variant_defaults(self) -> None:
+        """Fill the fields left at None with the paper's setting for `moe_variant` (spec §4.3)."""
+        native, upcycled = self.moe_variant == "native", self.moe_variant == "upcycled"
+        if self.router_trainable is None:
+            self.router_trainable = upcycled
+        if self.use_shared_expert is None:
+            self.use_shared_expert = native
+        if self.router_bias is None:
+            self.router_bias = upcycled
+        if self.routed_scaling_factor is None:
+            granularity = self.upcycle_granularity if upcycled and _is_positive_int(self.upcycle_granularity) else 1
+            self.routed_scaling_factor = float(granularity)
+        if self.moe_variant == "modality":
+            if self.modality_expert_map is None:
+                self.modality_expert_map = {modality: modality for modality in TOKEN_MODALITIES}
+            elif isinstance(self.modality_expert_map, dict):
+                # JSON turns the integer keys into strings.
+                self.modality_expert_map = {
+                    int(key) if isinstance(key, str) and key.isdigit() else key: value
+                    for key, value in self.modality_expert_map.items()
+                }
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding size (the text model's width)."""
+        return self.text_config.hidden_size
+
+    def moe_layer_spec(self) -> MoeLayerSpec:
+        """Every decoder layer's MoE block, for the shared core (`SparseMoeBlock`)."""
+        text = self.text_config
+        shared = self.use_shared_expert
+        return MoeLayerSpec(
+            hidden_size=text.hidden_size,
+            num_experts=text.num_experts,
+            num_experts_per_tok=text.num_experts_per_tok,
+            expert_intermediate_size=text.moe_intermediate_size,
+            hidden_act=text.hidden_act,
+            router_type="given" if self.moe_variant == "modality" else "softmax",
+            norm_topk_prob=True,
+            routed_scaling_factor=self.routed_scaling_factor,
+            shared_expert_intermediate_size=text.shared_expert_intermediate_size if shared else 0,
+            shared_expert_gate=shared,
+        )
+
+    def validate_fields(self) -> None:
+        text, vision = self.text_config, self.vision_config
+        if text.model_type != "qwen3_5_moe_text":
+            raise ValueError(
+                f"MoEmbConfig.text_config must be a Qwen3.5-MoE text config (model_type 'qwen3_5_moe_text'), got "
+                f"{text.model_type!r}; dense sources are converted into MoE text configs by moezoo.conversion"
+            )
+        if vision.model_type != "qwen3_5_moe_vision":
+            raise ValueError(
+                f"MoEmbConfig.vision_config must be a Qwen3.5 vision config (model_type 'qwen3_5_moe_vision'), got "
+                f"{vision.model_type!r}"
+            )
+        if vision.out_hidden_size != text.hidden_size:
+            raise ValueError(
+                f"MoEmbConfig.vision_config.out_hidden_size={vision.out_hidden_size} must equal "
+                f"text_config.hidden_size={text.hidden_size}: merged image features replace token embeddings"
+            )
+        _require_choice(self, "source_model_type", SOURCE_MODEL_TYPES)
+        _require_choice(self, "pooling", POOLING_TYPES)
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            _require_token_id(self, name, text.vocab_size)
+        if self.emb_token_id is not None:
+            _require_token_id(self, "emb_token_id", text.vocab_size)
+            if self.emb_token_id in (self.image_token_id, self.video_token_id):
+                raise ValueError(
+                    f"MoEmbConfig.emb_token_id={self.emb_token_id} is an image/video placeholder id; <emb> needs a "
+                    "token of its own"
+                )
+        if not isinstance(self.emb_token, str) or not self.emb_token:
+            raise ValueError(f"MoEmbConfig.emb_token must be a non-empty string, got {self.emb_token!r}")
+        for name in ("normalize_embeddings", "router_trainable", "use_shared_expert", "router_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEmbConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("logit_scale", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"MoEmbConfig.{name} must be a number > 0, got {value!r}")
+        if self.use_shared_expert and not _is_positive_int(text.shared_expert_intermediate_size):
+            raise ValueError(
+                "MoEmbConfig.use_shared_expert=True needs text_config.shared_expert_intermediate_size > 0, got "
+                f"{text.shared_expert_intermediate_size!r}"
+            )
+        self._validate_upcycling()
+        self._validate_modality_routing()
+        # The core validates sizes and top-k (each message names its MoeLayerSpec field).
+        self.moe_layer_spec()
+
+    def _validate_upcycling(self) -> None:
+        upcycled = self.moe_variant == "upcycled"
+        for name in ("upcycle_granularity", "upcycle_router_init"):
+            if not upcycled and getattr(self, name) is not None:
+                raise ValueError(f"MoEmbConfig.{name} only applies to moe_variant='upcycled', not {self.moe_variant!r}")
+        if not upcycled:
+            return
+        if not _is_positive_int(self.upcycle_granularity):
+            raise ValueError(
+                f"MoEmbConfig.upcycle_granularity must be a positive integer for moe_variant='upcycled' (how many "
+                f"slices the dense FFN was cut into), got {self.upcycle_granularity!r}"
+            )
+        if self.upcycle_router_init is not None:
+            _require_choice(self, "upcycle_router_init", UPCYCLE_ROUTER_INITS)
+
+    def _validate_modality_routing(self) -> None:
+        if self.moe_variant != "modality":
+            if self.modality_expert_map is not None:
+                raise ValueError(
+                    f"MoEmbConfig.modality_expert_map only applies to moe_variant='modality', not {self.moe_variant!r}"
+                )
+            return
+        for name in ("router_bias", "use_shared_expert", "router_trainable"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"MoEmbConfig.{name}=True does not apply to moe_variant='modality': tokens are routed by "
+                    "modality, with neither a router nor a shared expert"
+                )
+        expert_map = self.modality_expert_map
+        num_experts = self.text_config.num_experts
+        if (
+            not isinstance(expert_map, dict)
+            or set(expert_map) != set(TOKEN_MODALITIES)
+            or not all(_is_non_negative_int(expert) and expert < num_experts for expert in expert_map.values())
+        ):
+            raise ValueError(
+                "MoEmbConfig.modality_expert_map must map each token modality 0 (text), 1 (image), 2 (video) to an "
+                f"expert id in [0, text_config.num_experts={num_experts}), got {expert_map!r}"
+            )
+        if set(expert_map.values()) != set(range(num_experts)):
+            raise ValueError(
+                f"MoEmbConfig.modality_expert_map {expert_map} uses experts {sorted(set(expert_map.values()))} but "
+                f"text_config.num_experts={num_experts}: every expert must serve a modality"
+            )
+        if self.text_config.num_experts_per_tok != 1:
+            raise ValueError(
+                "MoEmbConfig.text_config.num_experts_per_tok must be 1 for moe_variant='modality' (one expert per "
+                f"token), got {self.text_config.num_experts_per_tok}"
+            )
+
+
+# --- validation helpers: each error names the field ---------------------------------------------------------------
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_non_negative_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _require_choice(config, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"MoEmbConfig.{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _require_token_id(config, name: str, vocab_size: int) -> None:
+    value = getattr(config, name)
+    if not _is_non_negative_int(value) or value >= vocab_size:
+        raise ValueError(
+            f"MoEmbConfig.{name} must be a token id in [0, text_config.vocab_size={vocab_size}), got {value!r}"
+        )
+
+
+# --- named configurations ------------------------------------------------------------------------------------------
+
+# Spec §4.4: 8 layers (6 Gated DeltaNet + 2 attention), 8 experts top-4, a 2-block vision tower; <emb> is id 124 of a
+# 128-token vocabulary. ~0.64 M parameters.
+TINY_MOEMB = dict(
+    text_config=dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=4, max_position_embeddings=512,
+        pad_token_id=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 0], mrope_interleaved=True),
+    ),
+    vision_config=dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
+    ),
+    image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123, emb_token_id=124,
+)
+
+# Paper-scale RoPE (taken from the checkpoints, not transformers' defaults: spec §2.1).
+_QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                     mrope_section=[11, 11, 10], mrope_interleaved=True)
+_QWEN3_5_VISION = dict(
+    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+)
+
+# Spec §4.2. The <emb> id is assigned when a checkpoint is converted (it depends on the tokenizer). Counts (meta
+# device, no lm_head): A3B 34.60 B total, 3.39 B active; A10B 121.80 B total, 9.46 B active (the paper's 3.1 B /
+# 10.2 B count other things in or out, see the model card).
+MOEMB_CONFIGS = {
+    "MoEMB-A3B": dict(
+        text_config=dict(
+            vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, rms_norm_eps=1e-6,
+            rope_parameters=_QWEN3_5_ROPE,
+        ),
+        vision_config=dict(_QWEN3_5_VISION, out_hidden_size=2048),
+    ),
+    # Reconstructed where the paper gives no value (spec §4.2, A-9); conversions read the checkpoint instead.
+    "MoEMB-A10B": dict(
+        text_config=dict(
+            vocab_size=248320, hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024, num_experts=256, num_experts_per_tok=8, rms_norm_eps=1e-6,
+            rope_parameters=_QWEN3_5_ROPE,
+        ),
+        vision_config=dict(_QWEN3_5_VISION, out_hidden_size=3072),
+    ),
+}

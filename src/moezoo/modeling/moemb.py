@@ -1,0 +1,604 @@
+"""MoEMB: a universal multimodal embedder on a sparse-MoE Qwen3.5 backbone (spec moemb.md §2, §3.14).
+
+    MoEmbForEmbedding                      embeddings = normalize(last_hidden_state[pooled token])
+    └─ model: MoEmbModel                   image/video features scattered into their placeholders, MRoPE positions
+       ├─ visual: Qwen3_5MoeVisionModel    transformers' vision tower, unchanged
+       └─ language_model: MoEmbTextModel   embed_tokens, layers[i]: MoEmbDecoderLayer, norm, rotary_emb
+            └─ MoEmbDecoderLayer           h += Mixer(RMSNorm(h)); h += MoE(RMSNorm(h))
+                                           Mixer: transformers' Gated DeltaNet or gated attention
+                                           MoE: the shared core's SparseMoeBlock (padding never routed)
+
+Parameter names equal `Qwen3_5MoeForConditionalGeneration`'s without `lm_head` and `mtp.*`, so a Qwen3.5-MoE state
+dict loads as is. Everything the paper does not change is transformers' code; what is new here is the layer loop
+(written out so that later adaptive computation has one place per layer to act: after the token mixer, around the
+MoE block, between layers), pooling, and packed execution.
+
+Two execution modes give the same embeddings:
+- padded: `input_ids (B, S)` with `attention_mask`; left or right padding;
+- packed (varlen): `input_ids (1, T)` holding B sequences back to back, with `cu_seqlens (B + 1)`. Attention gets a
+  block-diagonal causal mask (and flash-attention's varlen arguments), and every Gated DeltaNet layer runs each
+  sequence on its own. Stock transformers does not keep packed sequences apart there: the causal convolution sees
+  the previous sequence's last tokens, and its PyTorch fallbacks carry the recurrent state across sequences (spec
+  §3.14).
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    packed_sequence_mask_function,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeAttention,
+    Qwen3_5MoeGatedDeltaNet,
+    Qwen3_5MoeModel,
+    Qwen3_5MoePreTrainedModel,
+    Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeTextRotaryEmbedding,
+    Qwen3_5MoeVisionModel,
+)
+from transformers.utils import ModelOutput, can_return_tuple
+
+from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig
+from .moe.block import SparseMoeBlock
+from .moe.initialization import init_moe_module
+from .moe.pretrained import MoePreTrainedMixin
+from .moe.router import TopKRouter
+from .moe.spec import MoeLayerSpec
+from .moe.statistics import record_routing
+
+
+try:  # flash-linear-attention: varlen Gated DeltaNet kernels (GPU)
+    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:
+    fla_causal_conv1d = fla_chunk_gated_delta_rule = None
+
+
+# --- outputs ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEmbModelOutput(ModelOutput):
+    r"""
+    last_hidden_state (`(batch_size, sequence_length, hidden_size)`, packed: `(1, total_length, hidden_size)`): the
+        text model's output after its final norm; padding positions hold meaningless values.
+    hidden_states (`tuple`, *optional*, with `output_hidden_states=True`): the token embeddings (image and video
+        features included), the output of every layer but the last, and `last_hidden_state`.
+    router_logits (`tuple` of `(num_valid_tokens, num_experts)` per layer, *optional*, with
+        `output_router_logits=True`): fp32 router logits of the non-padding tokens, in row-major token order.
+    routing_counts (`(num_layers, 3, num_experts)` int64, *optional*, with `output_routing_counts=True`): (token,
+        slot) assignments per layer, expert and token modality (text, image, video), padding excluded.
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    routing_counts: torch.Tensor | None = None
+
+
+@dataclass
+class MoEmbOutput(MoEmbModelOutput):
+    r"""
+    embeddings (`(batch_size, hidden_size)` float32): the pooled hidden states, L2-normalised unless
+        `config.normalize_embeddings=False`.
+    pooled_index (`(batch_size,)`): where each item was pooled: a position in its row, or in the packed sequence.
+    """
+
+    embeddings: torch.Tensor | None = None
+    pooled_index: torch.Tensor | None = None
+
+
+# --- packed (varlen) batches ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedSequences:
+    """Item `b` of a packed batch is tokens `cu_seqlens[b]:cu_seqlens[b + 1]` of a `(1, total_length)` row."""
+
+    cu_seqlens: torch.Tensor  # (B + 1,) int32, starts at 0, non-decreasing
+    max_seqlen: int
+    segment_ids: torch.Tensor  # (total_length,) long: the item each token belongs to
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total_length: int) -> "PackedSequences":
+        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor [0, end_0, end_1, ..., total_length], got "
+                f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}"
+            )
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total_length or bool((lengths <= 0).any()):
+            raise ValueError(
+                f"cu_seqlens {cu_seqlens.tolist()} must start at 0, increase strictly (no empty item) and end at the "
+                f"packed length {total_length}"
+            )
+        segment_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+        return cls(cu_seqlens.to(torch.int32), int(lengths.max()), segment_ids)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def bounds(self) -> list[tuple[int, int]]:
+        edges = self.cu_seqlens.tolist()
+        return list(zip(edges[:-1], edges[1:]))
+
+    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(B, max_seqlen)` packed index of every item's tokens (left-aligned) and the mask of the real ones."""
+        offsets = torch.arange(self.max_seqlen, device=self.cu_seqlens.device)
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1])[:, None]
+        mask = offsets[None, :] < lengths
+        index = torch.where(mask, self.cu_seqlens[:-1, None] + offsets, 0)
+        return index.long(), mask
+
+    def attention_kwargs(self) -> dict:
+        """Flash-attention's varlen arguments; other attention implementations use the block-diagonal mask."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+
+def packed_gated_delta_net(
+    module: Qwen3_5MoeGatedDeltaNet, hidden_states: torch.Tensor, packed: PackedSequences
+) -> torch.Tensor:
+    """transformers' Gated DeltaNet on a packed `(1, T, H)` row, each sequence with its own convolution window and
+    recurrent state: fla's varlen kernels on the GPU when installed, else the stock layer once per sequence (exact)."""
+    if fla_chunk_gated_delta_rule is not None and hidden_states.is_cuda:
+        return _gated_delta_net_varlen(module, hidden_states, packed.cu_seqlens)
+    return torch.cat([module(hidden_states[:, start:end]) for start, end in packed.bounds()], dim=1)
+
+
+def _gated_delta_net_varlen(module: Qwen3_5MoeGatedDeltaNet, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
+    """`Qwen3_5MoeGatedDeltaNet.forward` without a cache, with the segment bounds given to the convolution too (the
+    stock layer passes them to the delta rule only)."""
+    length = hidden_states.shape[1]
+    mixed_qkv, _ = fla_causal_conv1d(
+        x=module.in_proj_qkv(hidden_states),
+        weight=module.conv1d.weight.squeeze(1),
+        bias=module.conv1d.bias,
+        activation=module.activation,
+        cu_seqlens=cu_seqlens,
+    )
+    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    beta = module.in_proj_b(hidden_states).sigmoid()
+    # fp32 before exp/softplus, as the stock layer: in half precision A could overflow to -inf
+    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden_states).float() + module.dt_bias)
+    core_attn_out, _ = fla_chunk_gated_delta_rule(
+        query.reshape(1, length, -1, module.head_k_dim),
+        key.reshape(1, length, -1, module.head_k_dim),
+        value.reshape(1, length, -1, module.head_v_dim),
+        g=g,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True,
+    )
+    gate = module.in_proj_z(hidden_states).reshape(-1, module.head_v_dim)
+    core_attn_out = module.norm(core_attn_out.reshape(-1, module.head_v_dim), gate)
+    return module.out_proj(core_attn_out.reshape(1, length, -1))
+
+
+# --- decoder ------------------------------------------------------------------------------------------------------
+
+
+class MoEmbBiasedTopKRouter(TopKRouter):
+    """The core's softmax top-k router with a learned logit bias, `z = W x + b` (upcycled MoEMB, spec §2.5): a new
+    router whose bias can make every token pick one replica of each dense slice at initialisation."""
+
+    def __init__(self, spec: MoeLayerSpec):
+        super().__init__(spec)
+        self.bias = nn.Parameter(torch.zeros(self.num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
+        top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
+        top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
+        return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
+
+
+class MoEmbDecoderLayer(GradientCheckpointingLayer):
+    """Qwen3.5-MoE's pre-norm decoder layer (`Qwen3_5MoeDecoderLayer`) with its MoE FFN on the shared core:
+
+        h <- h + Mixer(RMSNorm_in(h))      Gated DeltaNet ("linear_attention") or gated attention ("full_attention")
+        h <- h + MoE(RMSNorm_post(h))      only non-padding tokens are routed
+    """
+
+    def __init__(self, config: MoEmbConfig, layer_idx: int):
+        super().__init__()
+        text_config = config.text_config
+        self.layer_idx = layer_idx
+        self.layer_type = text_config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3_5MoeGatedDeltaNet(text_config, layer_idx)
+        else:
+            self.self_attn = Qwen3_5MoeAttention(text_config, layer_idx)
+        spec = config.moe_layer_spec()
+        self.mlp = SparseMoeBlock(text_config, spec, layer_idx=layer_idx)
+        if config.router_bias:
+            self.mlp.gate = MoEmbBiasedTopKRouter(spec)
+        self.input_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, S, H) or packed (1, T, H)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,  # this layer type's mask (4D for attention, 2D padding for GDN)
+        token_mask: torch.Tensor | None = None,  # (B, S), 1 = token to route; None = all
+        routes: torch.Tensor | None = None,  # (B, S) expert ids of the modality variant's fixed routing
+        packed: PackedSequences | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the new hidden states and the router logits of the routed tokens (None for fixed routes)."""
+        mixer_input = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            if packed is not None:
+                mixer_output = packed_gated_delta_net(self.linear_attn, mixer_input, packed)
+            else:
+                mixer_output = self.linear_attn(mixer_input, attention_mask=attention_mask)
+        else:
+            attention_kwargs = packed.attention_kwargs() if packed is not None else {}
+            mixer_output, _ = self.self_attn(
+                mixer_input, position_embeddings=position_embeddings, attention_mask=attention_mask, **attention_kwargs
+            )
+        hidden_states = hidden_states + mixer_output
+
+        moe_output, router_logits = self.mlp(
+            self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes
+        )
+        return hidden_states + moe_output, router_logits
+
+
+# --- pretrained models --------------------------------------------------------------------------------------------
+
+
+class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
+    """Qwen3.5-MoE's weight initialisation and attention support, plus the core's modules. `MoePreTrainedMixin`
+    makes `experts_implementation` switchable although the experts live in the core."""
+
+    config: MoEmbConfig
+    base_model_prefix = "model"
+    input_modalities = ("image", "video", "text")
+    _no_split_modules = ["MoEmbDecoderLayer", "Qwen3_5MoeVisionBlock"]
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.", r"^mtp\."]
+    # The forward is a plain loop (no transformers output capturing), with host syncs in positions and packing.
+    _can_record_outputs = {}
+    _can_compile_fullgraph = False
+    _is_stateful = False
+
+    def _init_weights(self, module):
+        if isinstance(module, MoEmbBiasedTopKRouter):
+            init.zeros_(module.bias)
+        if init_moe_module(module, self.config.get_text_config().initializer_range):
+            return
+        super()._init_weights(module)
+
+
+class MoEmbTextModel(MoEmbPreTrainedModel):
+    """`Qwen3_5MoeTextModel`'s modules (same names) with MoEMB's decoder layers and layer loop. Built from the full
+    `MoEmbConfig`, it holds `text_config` as its own config, where transformers sets the attention and experts
+    implementations its modules read."""
+
+    def __init__(self, config: MoEmbConfig):
+        text_config = config.text_config
+        super().__init__(text_config)
+        self.embed_tokens = nn.Embedding(text_config.vocab_size, text_config.hidden_size, text_config.pad_token_id)
+        self.layers = nn.ModuleList(MoEmbDecoderLayer(config, i) for i in range(text_config.num_hidden_layers))
+        self.norm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
+        self.rotary_emb = Qwen3_5MoeTextRotaryEmbedding(config=text_config)
+        self.modality_expert_map = config.modality_expert_map if config.moe_variant == "modality" else None
+        self.post_init()
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # (B, S, H) or packed (1, T, H)
+        position_ids: torch.Tensor,  # (3, B, S) MRoPE positions (temporal, height, width)
+        token_modality: torch.Tensor,  # (B, S) 0 text, 1 image, 2 video
+        attention_mask: torch.Tensor | None = None,  # (B, S), 1 = real token; None for packed batches
+        packed: PackedSequences | None = None,
+        output_hidden_states: bool = False,
+        output_router_logits: bool = False,
+        output_routing_counts: bool = False,
+    ) -> MoEmbModelOutput:
+        hidden_states = inputs_embeds
+        if packed is not None:
+            masks = {
+                "full_attention": create_causal_mask(
+                    config=self.config, inputs_embeds=hidden_states, attention_mask=None, cache=None,
+                    and_mask_function=packed_sequence_mask_function(packed.segment_ids[None]),
+                ),
+                "linear_attention": None,  # sequences are kept apart by running them one by one
+            }
+        else:
+            masks = {
+                "full_attention": create_causal_mask(
+                    config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, cache=None
+                ),
+                "linear_attention": create_recurrent_attention_mask(self.config, hidden_states, attention_mask),
+            }
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        routes = None
+        if self.modality_expert_map is not None:
+            expert_of_modality = [self.modality_expert_map[modality] for modality in sorted(TOKEN_MODALITIES)]
+            routes = torch.tensor(expert_of_modality, device=token_modality.device)[token_modality]
+
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        all_router_logits = [] if output_router_logits else None
+        with self._routing_recorder(output_routing_counts) as routing:
+            if routing is not None:
+                routing.set_groups(token_modality)
+            for layer in self.layers:
+                hidden_states, router_logits = layer(
+                    hidden_states,
+                    position_embeddings=position_embeddings,
+                    attention_mask=masks[layer.layer_type],
+                    token_mask=attention_mask,
+                    routes=routes,
+                    packed=packed,
+                )
+                if all_hidden_states is not None:
+                    all_hidden_states.append(hidden_states)
+                if all_router_logits is not None:
+                    all_router_logits.append(router_logits)
+        hidden_states = self.norm(hidden_states)
+        if all_hidden_states is not None:
+            all_hidden_states[-1] = hidden_states  # as transformers: the last entry is the normed output
+
+        return MoEmbModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            router_logits=tuple(all_router_logits) if output_router_logits else None,
+            routing_counts=(
+                torch.stack([routing.counts[routing.layer_names[layer.mlp]] for layer in self.layers])
+                if output_routing_counts
+                else None
+            ),
+        )
+
+    def _routing_recorder(self, enabled: bool):
+        if not enabled:
+            return nullcontext()
+        if any(layer.mlp.routing_recorder is not None for layer in self.layers):
+            raise ValueError(
+                "routing is already recorded by an enclosing record_routing(); read the counts there, or call the "
+                "model outside it with output_routing_counts=True"
+            )
+        return record_routing(self, group_names=[TOKEN_MODALITIES[i] for i in sorted(TOKEN_MODALITIES)])
+
+
+class MoEmbModel(MoEmbPreTrainedModel):
+    """The backbone: `Qwen3_5MoeModel`'s vision tower, placeholder scattering and MRoPE positions, with
+    MoEMB's text model. `forward` returns the text model's hidden states; `MoEmbForEmbedding` pools them."""
+
+    # Qwen3.5's multimodal plumbing, reused as is.
+    get_vision_position_ids = Qwen3_5MoeModel.get_vision_position_ids
+    get_rope_index = Qwen3_5MoeModel.get_rope_index
+    get_image_features = Qwen3_5MoeModel.get_image_features
+    get_video_features = Qwen3_5MoeModel.get_video_features
+    get_placeholder_mask = Qwen3_5MoeModel.get_placeholder_mask
+
+    def __init__(self, config: MoEmbConfig):
+        super().__init__(config)
+        self.visual = Qwen3_5MoeVisionModel._from_config(config.vision_config)
+        self.language_model = MoEmbTextModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.language_model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.language_model.embed_tokens = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor,  # (B, S), or packed (1, T) with cu_seqlens
+        attention_mask: torch.Tensor | None = None,  # (B, S), 1 = real token; not with cu_seqlens
+        pixel_values: torch.Tensor | None = None,  # (image patches, C * T_p * P * P)
+        pixel_values_videos: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,  # (images, 3)
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: from input_ids
+        position_ids: torch.LongTensor | None = None,  # (3, B, S) MRoPE positions; default: computed
+        cu_seqlens: torch.Tensor | None = None,  # (B + 1,) item bounds of a packed batch
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool = False,
+        output_routing_counts: bool = False,
+    ) -> MoEmbModelOutput:
+        packed = self._check_inputs(input_ids, attention_mask, cu_seqlens, output_router_logits)
+        if mm_token_type_ids is None:
+            mm_token_type_ids = (input_ids == self.config.image_token_id).long()
+            mm_token_type_ids += 2 * (input_ids == self.config.video_token_id).long()
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+        if pixel_values is not None:
+            image_outputs = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+            image_features = torch.cat(image_outputs.pooler_output).to(inputs_embeds)
+            image_mask, _ = self.get_placeholder_mask(input_ids, inputs_embeds, image_features=image_features)
+            inputs_embeds = inputs_embeds.masked_scatter(image_mask, image_features)
+        if pixel_values_videos is not None:
+            video_outputs = self.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True)
+            video_features = torch.cat(video_outputs.pooler_output).to(inputs_embeds)
+            _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_features=video_features)
+            inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_features)
+        if position_ids is None:
+            position_ids = self.rope_positions(
+                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, packed
+            )
+        return self.language_model(
+            inputs_embeds,
+            position_ids=position_ids,
+            token_modality=mm_token_type_ids,
+            attention_mask=attention_mask,
+            packed=packed,
+            output_hidden_states=(
+                output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+            ),
+            output_router_logits=output_router_logits,
+            output_routing_counts=output_routing_counts,
+        )
+
+    def rope_positions(
+        self,
+        input_ids: torch.LongTensor,
+        mm_token_type_ids: torch.Tensor,
+        image_grid_thw: torch.LongTensor | None,
+        video_grid_thw: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        packed: PackedSequences | None,
+    ) -> torch.LongTensor:
+        """`(3, B, S)` MRoPE positions from Qwen3.5's `get_rope_index`, counted from each item's first real token
+        (so left padding does not shift them). A packed row is unpacked for it, and the positions packed back."""
+        if packed is None:
+            positions, _ = self.get_rope_index(
+                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask=attention_mask
+            )
+            return positions
+        index, real = packed.padded_layout()
+        positions, _ = self.get_rope_index(
+            input_ids[0, index], mm_token_type_ids[0, index], image_grid_thw, video_grid_thw, attention_mask=real
+        )
+        return positions[:, real][:, None, :]
+
+    def _check_inputs(self, input_ids, attention_mask, cu_seqlens, output_router_logits) -> PackedSequences | None:
+        if input_ids is None or input_ids.ndim != 2:
+            raise ValueError(
+                "MoEMB needs input_ids of shape (batch, sequence), or (1, total_length) with cu_seqlens for a packed "
+                f"batch; got {None if input_ids is None else tuple(input_ids.shape)}"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}"
+            )
+        if output_router_logits and self.config.moe_variant == "modality":
+            raise ValueError(
+                "moe_variant='modality' routes by token modality and has no router logits; ask for "
+                "output_routing_counts=True instead"
+            )
+        if cu_seqlens is None:
+            return None
+        if input_ids.shape[0] != 1 or attention_mask is not None:
+            raise ValueError(
+                "a packed batch is input_ids of shape (1, total_length) with cu_seqlens and no attention_mask, got "
+                f"input_ids {tuple(input_ids.shape)}" + (" and an attention_mask" if attention_mask is not None else "")
+            )
+        return PackedSequences.from_cu_seqlens(cu_seqlens.to(input_ids.device), input_ids.shape[1])
+
+
+class MoEmbForEmbedding(MoEmbPreTrainedModel):
+    """The embedder (`AutoModel`): one L2-normalised float32 vector per query or target (spec §2.2).
+
+    Pooling (`config.pooling`): the hidden state of the `<emb>` token (`config.emb_token_id`, the last one of each
+    item), or of each item's last real token; an explicit `pooled_index` (what `MoEmbProcessor` returns) overrides
+    both.
+    """
+
+    def __init__(self, config: MoEmbConfig):
+        super().__init__(config)
+        self.model = MoEmbModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.model.set_input_embeddings(value)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        pooled_index: torch.LongTensor | None = None,  # (B,) position of each item's pooled token
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool = False,
+        output_routing_counts: bool = False,
+    ) -> MoEmbOutput:
+        """Inputs as `MoEmbModel.forward` (what the processor returns), plus an optional `pooled_index`: for padded
+        batches the position in each row, for packed ones the position in the packed row."""
+        if pooled_index is None:  # before the forward: a batch without its <emb> tokens fails fast
+            pooled_index = self.pooled_positions(input_ids, attention_mask, cu_seqlens)
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            output_routing_counts=output_routing_counts,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if cu_seqlens is not None:
+            pooled = hidden_states[0, pooled_index]
+        else:
+            pooled = hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), pooled_index]
+        embeddings = pooled.float()
+        if self.config.normalize_embeddings:
+            embeddings = F.normalize(embeddings, dim=-1)
+        return MoEmbOutput(embeddings=embeddings, pooled_index=pooled_index, **outputs)
+
+    def pooled_positions(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    ) -> torch.LongTensor:
+        """`(B,)` position of each item's pooled token: its last `<emb>` token, or its last real token."""
+        device = input_ids.device
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(device)
+            if self.config.pooling == "last_token":
+                return (cu_seqlens[1:] - 1).long()
+            packed = PackedSequences.from_cu_seqlens(cu_seqlens, input_ids.shape[1])
+            is_emb = input_ids[0] == self._emb_token_id()
+            positions = torch.arange(input_ids.shape[1], device=device)
+            pooled = torch.full((packed.num_sequences,), -1, dtype=torch.long, device=device)
+            pooled = pooled.scatter_reduce(0, packed.segment_ids[is_emb], positions[is_emb], reduce="amax")
+        else:
+            is_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            candidates = is_real
+            if self.config.pooling == "emb_token":
+                candidates = is_real & (input_ids == self._emb_token_id())
+            positions = torch.arange(input_ids.shape[1], device=device)
+            pooled = torch.where(candidates, positions, -1).amax(dim=-1)
+        missing = (pooled < 0).nonzero().flatten().tolist()
+        if missing:
+            if self.config.pooling == "last_token":
+                raise ValueError(f"items {missing} of the batch have no real token: their attention_mask is all 0")
+            raise ValueError(
+                f"items {missing} of the batch have no {self.config.emb_token} token (id {self.config.emb_token_id}) "
+                f"among their real tokens, probably truncated away: truncate the content, not the end (MoEmbProcessor "
+                f"keeps {self.config.emb_token} last), or pass pooled_index"
+            )
+        return pooled
+
+    def _emb_token_id(self) -> int:
+        if self.config.emb_token_id is None:
+            raise ValueError(
+                "config.emb_token_id is not set (it is assigned when a checkpoint is converted): set it to the "
+                f"tokenizer's {self.config.emb_token} id, pass pooled_index, or use pooling='last_token'"
+            )
+        return self.config.emb_token_id
+
+    def contrastive_logits(self, query_embeddings: torch.Tensor, target_embeddings: torch.Tensor) -> torch.Tensor:
+        """`(queries, targets)` scaled cosine similarities `logit_scale * q . t` of normalised embeddings: the logits
+        of the one-directional InfoNCE loss, whose labels are the matching targets (spec §2.3)."""
+        return self.config.logit_scale * query_embeddings @ target_embeddings.t().to(query_embeddings.device)
