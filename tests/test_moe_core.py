@@ -375,3 +375,17 @@ def test_wrong_hidden_size_and_nan_logits_name_the_layer():
         block(x)
     with pytest.raises(ValueError, match="attention_mask has shape"):
         block(torch.randn(2, 3, 8), attention_mask=torch.ones(2, 4))
+
+
+def test_router_logit_bias_enters_logits_and_trains():
+    spec = MoeLayerSpec(hidden_size=8, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=4,
+                        router_logit_bias=True)
+    router = randomize(TopKRouter(spec), std=0.5)
+    x = torch.randn(5, 8)
+    logits, weights, _ = router(x)
+    assert torch.allclose(logits, x @ router.weight.T + router.bias, atol=1e-6)
+    weights.sum().backward()
+    assert router.bias.grad is not None
+    with pytest.raises(ValueError, match="router_logit_bias"):
+        MoeLayerSpec(hidden_size=8, num_experts=4, num_experts_per_tok=1, expert_intermediate_size=4,
+                     router_type="given", router_logit_bias=True)

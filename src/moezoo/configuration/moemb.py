@@ -142,6 +142,7 @@ class MoEmbConfig(PreTrainedConfig):
             routed_scaling_factor=self.routed_scaling_factor,
             shared_expert_intermediate_size=text.shared_expert_intermediate_size if shared else 0,
             shared_expert_gate=shared,
+            router_logit_bias=bool(self.router_bias),
         )
 
     def validate_fields(self) -> None:

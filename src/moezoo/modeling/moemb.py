@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import initialization as init
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
@@ -50,8 +49,6 @@ from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
 from .moe.pretrained import MoePreTrainedMixin
-from .moe.router import TopKRouter
-from .moe.spec import MoeLayerSpec
 from .moe.statistics import record_routing
 
 
@@ -191,21 +188,6 @@ def _gated_delta_net_varlen(module: Qwen3_5MoeGatedDeltaNet, hidden_states: torc
 # --- decoder ------------------------------------------------------------------------------------------------------
 
 
-class MoEmbBiasedTopKRouter(TopKRouter):
-    """The core's softmax top-k router with a learned logit bias, `z = W x + b` (upcycled MoEMB, spec §2.5): a new
-    router whose bias can make every token pick one replica of each dense slice at initialisation."""
-
-    def __init__(self, spec: MoeLayerSpec):
-        super().__init__(spec)
-        self.bias = nn.Parameter(torch.zeros(self.num_experts))
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        router_logits = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
-        top_k_weights, top_k_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
-        top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
-        return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
-
-
 class MoEmbDecoderLayer(GradientCheckpointingLayer):
     """Qwen3.5-MoE's pre-norm decoder layer (`Qwen3_5MoeDecoderLayer`) with its MoE FFN on the shared core:
 
@@ -222,10 +204,7 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
             self.linear_attn = Qwen3_5MoeGatedDeltaNet(text_config, layer_idx)
         else:
             self.self_attn = Qwen3_5MoeAttention(text_config, layer_idx)
-        spec = config.moe_layer_spec()
-        self.mlp = SparseMoeBlock(text_config, spec, layer_idx=layer_idx)
-        if config.router_bias:
-            self.mlp.gate = MoEmbBiasedTopKRouter(spec)
+        self.mlp = SparseMoeBlock(text_config, config.moe_layer_spec(), layer_idx=layer_idx)
         self.input_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
 
@@ -276,8 +255,6 @@ class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
     _is_stateful = False
 
     def _init_weights(self, module):
-        if isinstance(module, MoEmbBiasedTopKRouter):
-            init.zeros_(module.bias)
         if init_moe_module(module, self.config.get_text_config().initializer_range):
             return
         super()._init_weights(module)

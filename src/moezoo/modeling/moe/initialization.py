@@ -18,6 +18,8 @@ def init_moe_module(module: nn.Module, std: float) -> bool:
     """Initialise `module` if it is a router or an experts module of the core; returns whether it was one."""
     if isinstance(module, TopKRouter):
         init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            init.zeros_(module.bias)
         if module.e_score_correction_bias is not None:
             init.zeros_(module.e_score_correction_bias)
             # Non-persistent: never loaded, so after meta-device loading it holds garbage unless zeroed here.

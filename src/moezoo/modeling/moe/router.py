@@ -32,6 +32,7 @@ class TopKRouter(nn.Module):
         self.bias_update_rate = spec.bias_update_rate
         self.bias_update_rule = spec.bias_update_rule
         self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
+        self.bias = nn.Parameter(torch.zeros(self.num_experts)) if spec.router_logit_bias else None
         if spec.routing_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
             # (token, slot) assignments per expert since the last bias update; summed over micro-batches.
@@ -42,7 +43,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) -> router_logits (T, E) fp32, top_k_weights (T, k) in the input dtype, top_k_index (T, k)."""
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        router_logits = F.linear(
+            hidden_states.float(), self.weight.float(), None if self.bias is None else self.bias.float()
+        )
         if self.router_type == "softmax":
             scores = torch.softmax(router_logits, dim=-1)
         else:

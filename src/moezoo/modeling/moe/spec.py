@@ -45,6 +45,9 @@ class MoeLayerSpec:
     norm_topk_prob: bool = True
     # Multiplies the routed experts' gate weights (DeepSeek's routed scaling; upcycling uses it to stay exact).
     routed_scaling_factor: float = 1.0
+    # A learned bias on the router logits, `z = W x + b` (a new router of upcycled models: MoEMB §2.5). Unlike the
+    # selection-only balancing bias it changes the gate weights too, and it is trained by gradient.
+    router_logit_bias: bool = False
     # 0 means no shared expert. Several shared experts of width I_e are one shared expert of width n * I_e.
     shared_expert_intermediate_size: int = 0
     # Qwen-style scalar gate sigmoid(w . h) on the shared expert's output.
@@ -83,6 +86,9 @@ class MoeLayerSpec:
                 f"MoeLayerSpec.routing_bias=True needs router_type='sigmoid' (got {self.router_type!r}): the "
                 "selection-only bias is defined on sigmoid affinities"
             )
+        if self.router_logit_bias and self.router_type == "given":
+            raise ValueError("MoeLayerSpec.router_logit_bias=True needs a learned router (router_type 'softmax' or "
+                             "'sigmoid'), not 'given' routes")
         if self.router_type == "given" and self.num_experts_per_tok != 1:
             raise ValueError(
                 f"MoeLayerSpec.num_experts_per_tok must be 1 with router_type='given' (one expert per example or "

@@ -104,11 +104,15 @@ def record_routing(model: nn.Module, group_names: Sequence[str] | None = None):
 def plot_routing_heatmap(stats: RoutingStatistics, path: str | Path, title: str | None = None) -> Path:
     """Write one heatmap per group (rows: MoE layers, columns: experts, colour: share of the group's
     assignments) side by side into a PNG file and return its path."""
-    import matplotlib
+    # Guarded: model code that records statistics is exported to Hub folders whose users may lack matplotlib.
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as error:
+        raise ImportError("plotting routing heatmaps needs matplotlib: pip install matplotlib") from error
 
     if not stats.counts:
         raise ValueError("no routing was recorded: run a forward pass inside record_routing() first")
