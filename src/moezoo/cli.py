@@ -16,9 +16,12 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, Connect
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # `convert` passes the options it does not know to the chosen converter's own parser.
+    # `convert` passes the options it does not know to the chosen converter's own parser, and module subcommands
+    # (`train ARCH`, `eval ARCH`, `bench moemb`, ...) to the module's parser.
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "run", None) is not _run_convert:
+    if hasattr(args, "options"):
+        args.options = extra + args.options
+    elif extra and getattr(args, "run", None) is not _run_convert:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.converter_args = extra
     if not hasattr(args, "run"):
@@ -185,6 +188,11 @@ def _run_convert(args) -> int:
         options["variant"] = args.variant
     with console.status(f"converting {args.source} with {converter.name}"):
         result = resolve(converter.function)(source, **options)
+    if result.model.config.model_type != args.architecture:
+        raise ValueError(
+            f"{converter.name} produced a {result.model.config.model_type} model from these options, not "
+            f"{args.architecture}; see `moezoo convert --to {args.architecture} --from ... --help`"
+        )
     out = save_conversion(result, converter, Path(args.out), overwrite=args.overwrite)
     provenance = result.provenance
     print_table(
@@ -253,25 +261,35 @@ def _run_push(args) -> int:
 
 # `moezoo train <arch>` and `moezoo eval <arch>`: each architecture's module brings its own options and runner, and
 # is imported only when its command runs (training code pulls in Trainer, PEFT and datasets).
-TRAINERS = {"moe_vie": "moezoo.training.moe_vie"}
-EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie"}
+TRAINERS = {"moe_vie": "moezoo.training.moe_vie", "moemb": "moezoo.training.moemb", "mote": "moezoo.training.mote"}
+EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie", "moemb": "moezoo.evaluation.moemb"}
 
 
 def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run) -> None:
     parser = _command(commands, name, help, examples)
     parser.add_argument("architecture", choices=sorted(modules))
     parser.add_argument("options", nargs=argparse.REMAINDER, help=f"see `moezoo {name} ARCH --help`")
-    parser.set_defaults(run=lambda args: _run_architecture_command(name, args, modules, add_arguments, run))
+    parser.set_defaults(
+        run=lambda args: _run_module_command(f"{name} {args.architecture}", modules[args.architecture],
+                                             add_arguments, run, args.options)
+    )
 
 
-def _run_architecture_command(name, args, modules, add_arguments, run) -> int:
+def _add_module_subcommand(subcommands, name, help, module, add_arguments, run, prog) -> None:
+    """A subcommand whose options live in `module`, imported only when the subcommand runs."""
+    parser = subcommands.add_parser(name, help=help, description=help, add_help=False)
+    parser.add_argument("options", nargs=argparse.REMAINDER, help=f"see `moezoo {prog} --help`")
+    parser.set_defaults(run=lambda args: _run_module_command(prog, module, add_arguments, run, args.options))
+
+
+def _run_module_command(prog, module_name, add_arguments, run, options) -> int:
     import importlib
 
-    module = importlib.import_module(modules[args.architecture])
-    parser = argparse.ArgumentParser(prog=f"moezoo {name} {args.architecture}", description=module.__doc__,
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"moezoo {prog}", description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     getattr(module, add_arguments)(parser)
-    return getattr(module, run)(parser.parse_args(args.options))
+    return getattr(module, run)(parser.parse_args(options))
 
 
 def _add_train(commands) -> None:
@@ -309,9 +327,17 @@ def _add_bench(commands) -> None:
         moezoo bench moe-layer
         moezoo bench moe-layer --tokens 64 2048 --mode fwd --json
         moezoo bench moe-vie
+        moezoo bench moemb --inputs text image+text
+        moezoo bench mote --experts 1 2 4 8 16
         """,
     )
     targets = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK")
+    for name, help in (
+        ("moemb", "embeddings per second: MoEMB against transformers' Qwen3.5-MoE forward on the same weights"),
+        ("mote", "per-sample latency and active parameters of MoTE as the number of stored experts grows"),
+    ):
+        _add_module_subcommand(targets, name, help, f"moezoo.bench.{name}", "add_bench_arguments", "run_bench",
+                               f"bench {name}")
     moe_layer = _command(
         targets,
         "moe-layer",

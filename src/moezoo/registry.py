@@ -28,9 +28,11 @@ class Architecture:
     # Auto class name -> "module:Class"; the first entry is what `create` and `convert` build.
     models: Mapping[str, str]
     processor: str | None = None  # "module:ProcessorClass"
+    # Text-only architectures ship a tokenizer instead of a processor ("module:TokenizerClass", e.g. AutoTokenizer).
+    tokenizer: str | None = None
     # Other Auto classes the processor's parts serve, e.g. {"AutoImageProcessor": "module:Class"}.
     processor_parts: Mapping[str, str] = field(default_factory=dict)
-    # "module:function(config) -> processor" that builds a processor offline (tiny tokenizers etc.).
+    # "module:function(config) -> processor (or tokenizer)" that builds one offline (tiny tokenizers etc.).
     make_processor: str | None = None
     pipeline_tag: str = "feature-extraction"
     model_card: str = ""  # template file name in model_cards/
@@ -81,7 +83,7 @@ CONVERTERS: dict[str, Converter] = {}
 ZOO_ARCHITECTURES: list[str] = []
 
 # One module per architecture under moezoo/presets/, added as each architecture lands.
-PRESET_MODULES: tuple[str, ...] = ("moe_vie",)
+PRESET_MODULES: tuple[str, ...] = ("moe_vie", "moemb", "mote")
 # Modules of architectures outside moezoo (a comma-separated list of importable modules with the same three
 # attributes), loaded after moezoo's own: how a project adds its architectures to the `moezoo` command.
 EXTRA_PRESET_MODULES_ENV = "MOEZOO_EXTRA_PRESETS"

@@ -43,6 +43,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbConfig
 from ..modeling.moemb import MoEmbForEmbedding
+from ..processors.build_moemb import make_moemb_processor
 from .common import ConversionResult
 
 
@@ -692,8 +693,7 @@ def add_arguments(parser) -> None:
 
 def convert(source: Path, variant: str = "native", verify: bool = True, **options) -> ConversionResult:
     """The converter behind the command: stream the conversion into a temporary folder, load the result, and measure
-    it against the source model. `processor` is the tokenizer with `<emb>` (a full `MoEmbProcessor` is built from it
-    and the source's image/video preprocessor configs)."""
+    it against the source model. The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`)."""
     with tempfile.TemporaryDirectory(prefix="moemb-conversion-") as folder:
         report = convert_qwen3_5_checkpoint(source, folder, variant, **options)
         model = MoEmbForEmbedding.from_pretrained(folder, dtype=torch.float32).eval()
@@ -707,8 +707,7 @@ def convert(source: Path, variant: str = "native", verify: bool = True, **option
         "notes": [
             "max_abs_diff compares the last hidden states (and router logits) with the source model in fp32 on a "
             "synthetic text + image + video batch, eager experts on both sides.",
-            "A MoEmbProcessor needs the tokenizer (with <emb>) and the source's preprocessor_config.json / "
-            "video_preprocessor_config.json.",
         ],
     }
-    return ConversionResult(model=model, processor=tokenizer, provenance=report)
+    processor = None if tokenizer is None else make_moemb_processor(model.config, tokenizer=tokenizer)
+    return ConversionResult(model=model, processor=processor, provenance=report)

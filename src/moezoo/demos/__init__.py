@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..terminal import console
-from . import moe_core, moe_vie
+from . import moe_core, moe_vie, moemb, mote
 
 
 # (folder name, title, stage module); each stage has `run(out_dir, quick) -> dict`.
 STAGES = [
     ("moe_core", "the shared sparse-MoE core", moe_core),
     ("moe_vie", "MoE-ViE, a MoE vision encoder trained from scratch", moe_vie),
+    ("moemb", "MoEMB, a universal multimodal embedder converted from Qwen3.5-MoE", moemb),
+    ("mote", "MoTE: task experts on synthetic procedure videos", mote),
 ]
 
 

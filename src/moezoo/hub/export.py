@@ -2,7 +2,8 @@
 
 The exported folder holds safetensors weights (sharded when large), the processor files, the architecture's code
 flattened into `configuration_*.py`, `modeling_*.py`, `processing_*.py` and the core modules they import, an
-`auto_map` for every Auto class the architecture serves, the provenance record and a rendered model card. It loads
+`auto_map` for every Auto class the architecture serves, the provenance record and a rendered model card; for
+embedders, also the sentence-transformers files (`modules.json` and its module). It loads
 with `trust_remote_code=True` where moezoo is not installed, and without remote code where it is.
 
 Export reads the weights with moezoo's classes and writes fresh code files and `auto_map`s, so it also repairs
@@ -23,6 +24,7 @@ from ..registry import Architecture, get_architecture, resolve
 from .cards import render_model_card
 from .flatten import flatten_modules
 from .folders import atomic_output_dir, read_provenance, write_provenance
+from .sentence_transformers_files import SENTENCE_TRANSFORMERS_MODULES, write_sentence_transformers_files
 
 
 def read_model_type(folder: Path) -> str:
@@ -74,14 +76,17 @@ def _describe(entry) -> str:
 
 
 def load_processor(architecture: Architecture, folder: Path):
-    if architecture.processor is None:
+    """The folder's processor, or its tokenizer for text-only architectures."""
+    path, required = (architecture.processor, "processor_config.json") if architecture.processor else (
+        architecture.tokenizer, "tokenizer_config.json")
+    if path is None:
         return None
-    if not (folder / "processor_config.json").is_file():
+    if not (folder / required).is_file():
         raise FileNotFoundError(
-            f"{folder} has no processor_config.json; a {architecture.title} folder needs its processor "
-            "(moezoo create and moezoo convert write one)"
+            f"{folder} has no {required}; a {architecture.title} folder needs its "
+            f"{'processor' if architecture.processor else 'tokenizer'} (moezoo create and moezoo convert write one)"
         )
-    return resolve(architecture.processor).from_pretrained(folder)
+    return resolve(path).from_pretrained(folder)
 
 
 def code_entry_modules(architecture: Architecture) -> list[str]:
@@ -110,8 +115,13 @@ def export_folder(
         if processor is not None:
             processor.save_pretrained(staging)
         entry_modules = code_entry_modules(architecture)
+        sentence_transformers = SENTENCE_TRANSFORMERS_MODULES.get(architecture.name)
+        if sentence_transformers:
+            entry_modules.append(sentence_transformers[0])
         flat_names = flatten_modules(entry_modules, staging, {"moezoo", *(m.split(".")[0] for m in entry_modules)})
         write_auto_maps(architecture, staging, flat_names)
+        if sentence_transformers:
+            write_sentence_transformers_files(staging, architecture.name, flat_names)
         write_provenance(staging, provenance)
         card = render_model_card(
             architecture, provenance, {"total": counts.total, "active": counts.active}, repo_id or out.name

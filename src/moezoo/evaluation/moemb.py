@@ -1,0 +1,366 @@
+"""`moezoo eval moemb`: the MMEB and MRMR protocols (spec moemb.md §6.2, §9).
+
+- **MMEB** (`--benchmark mmeb`): every query ranks its own candidate set, whose first candidate is the positive;
+  the score of a task is its hit@1 (the positive ranked first). Data in MMEB's evaluation format (VLM2Vec /
+  `TIGER-Lab/MMEB-eval`): one table per task with `qry_text`, `qry_img_path`, `tgt_text` (a list) and
+  `tgt_img_path` (a list), image paths relative to `--image-root`. Tasks are grouped into MMEB-V2's categories (image
+  CLS / QA / RET / GD, video CLS / QA / RET / MRT); a table's optional `category` column names others.
+- **MRMR** (`--benchmark mrmr`): every query ranks its task's whole corpus; NDCG@10 with graded relevance from the
+  qrels (trec_eval's linear gains), except the Negation subtask, scored by Hit@1 (Table 3's caption). Data in
+  MRMR's format: per task a folder of `query`, `corpus` and `qrels` tables (`id`, `text`, `image`, `image 1`, ...,
+  a `category` per query; `query_id`, `corpus_id`, `score`). The summary is the mean over subtasks (categories).
+
+Ranks break ties against the model: a wrong candidate scoring exactly as high as a right one ranks before it, so a
+collapsed model (all embeddings equal) scores 0. Identical inputs are embedded once (MMEB repeats candidates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from ..processors.moemb import IMAGE_TOKEN, mmeb_input, normalize_input
+from ..terminal import console, print_table, progress_bar
+
+BENCHMARKS = ("mmeb", "mrmr")
+TABLE_SUFFIXES = (".parquet", ".jsonl", ".json")
+NDCG_K = 10
+HIT_AT_1_CATEGORIES = ("negation",)
+# MMEB-V2's image and video tasks by category (paper Table 14; MMEB-V1's grouping of the 36 image tasks).
+MMEB_CATEGORIES = {
+    "image CLS": ("Country211", "HatefulMemes", "ImageNet-1K", "ImageNet-A", "ImageNet-R", "N24News", "ObjectNet",
+                  "Place365", "SUN397", "VOC2007"),
+    "image QA": ("A-OKVQA", "ChartQA", "DocVQA", "GQA", "InfographicsVQA", "OK-VQA", "ScienceQA", "TextVQA",
+                 "Visual7W", "VizWiz"),
+    "image RET": ("VisDial", "CIRR", "VisualNews_t2i", "VisualNews_i2t", "MSCOCO_t2i", "MSCOCO_i2t", "NIGHTS", "WebQA",
+                  "FashionIQ", "Wiki-SS-NQ", "OVEN", "EDIS"),
+    "image GD": ("MSCOCO", "RefCOCO", "RefCOCO-Matching", "Visual7W-Pointing"),
+    "video CLS": ("Breakfast", "HMDB51", "Kinetics-700", "SmthSmthV2", "UCF101"),
+    "video QA": ("ActivityNetQA", "EgoSchema", "MVBench", "NExTQA", "Video-MME"),
+    "video RET": ("DiDeMo", "MSR-VTT", "MSVD", "VATEX", "YouCook2"),
+    "video MRT": ("Charades-STA", "MomentSeeker", "QVHighlight"),
+}  # fmt: skip
+CATEGORY_OF_TASK = {task: category for category, tasks in MMEB_CATEGORIES.items() for task in tasks}
+# MRMR writes images into interleaved texts as "<image 1>", "<image 2>", ...
+MRMR_IMAGE_MARKER = re.compile(r"<image (\d+)>")
+
+
+# --- embeddings ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def embed(model, processor, inputs: Sequence, batch_size: int = 16, max_length: int | None = None,
+          progress: bool = True) -> torch.Tensor:  # fmt: skip
+    """L2-normalised float32 embeddings `(len(inputs), D)` on the CPU of MoEMB inputs (texts or dicts, see
+    `moezoo.processors.moemb`), `batch_size` at a time, each distinct input once. The model runs in eval mode and is
+    put back in its previous mode; a transient progress bar shows on stderr when there is more than one batch."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    keys = [_input_key(item, index) for index, item in enumerate(inputs)]
+    first = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+    distinct = [inputs[index] for index in first.values()]
+    if not distinct:
+        raise ValueError("no inputs to embed")
+    was_training = model.training
+    model.eval()
+    chunks = []
+    show = progress and len(distinct) > batch_size
+    try:
+        with progress_bar(transient=True) if show else nullcontext() as bar:
+            task = bar.add_task("embedding", total=len(distinct)) if show else None
+            for start in range(0, len(distinct), batch_size):
+                batch = processor(distinct[start : start + batch_size], max_length=max_length).to(model.device)
+                chunks.append(model(**batch).embeddings.float().cpu())
+                if show:
+                    bar.update(task, advance=len(chunks[-1]))
+    finally:
+        model.train(was_training)
+    embeddings = torch.cat(chunks)
+    # NaN compares false with everything, so it would rank every right answer first: a broken model must not score 1.
+    if not torch.isfinite(embeddings).all():
+        raise ValueError("the model gave non-finite embeddings (NaN or inf): check its weights and dtype")
+    row_of_key = {key: row for row, key in enumerate(first)}
+    return torch.nn.functional.normalize(embeddings[[row_of_key[key] for key in keys]], dim=-1)
+
+
+def _input_key(item, index: int) -> str:
+    """Equal for inputs that are the same: same texts, same image files (or the same image objects)."""
+    item = normalize_input(item, index)
+    images = [image if isinstance(image, str) else id(image) for image in item["images"]]
+    video = item["video"] if isinstance(item["video"], str) else id(item["video"])
+    return repr((item["instruction"], item["text"], images, video))
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
+
+
+def ranking(scores: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
+    """Candidate indices `(Q, C)` best first: by score, ties broken against the model (less relevant first)."""
+    by_relevance = torch.argsort(relevance, dim=-1, stable=True)
+    by_score = torch.argsort(scores.gather(-1, by_relevance), dim=-1, descending=True, stable=True)
+    return by_relevance.gather(-1, by_score)
+
+
+def hit_at_1(scores: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
+    """`(Q,)` 1.0 where the top-ranked candidate is relevant."""
+    top = ranking(scores, relevance)[:, 0]
+    return (relevance.gather(-1, top[:, None])[:, 0] > 0).float()
+
+
+def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = NDCG_K) -> torch.Tensor:
+    """`(Q,)` NDCG@k with linear gains, `sum_i rel_i / log2(i + 2)` over the top k over its ideal value (trec_eval's
+    ndcg_cut); queries must have a relevant candidate."""
+    k = min(k, scores.shape[-1])
+    discounts = 1.0 / torch.log2(torch.arange(k, dtype=torch.float64) + 2)
+    ranked = relevance.double().gather(-1, ranking(scores, relevance)[:, :k])
+    ideal = relevance.double().sort(dim=-1, descending=True).values[:, :k]
+    if (ideal[:, 0] <= 0).any():
+        raise ValueError("NDCG needs at least one relevant candidate per query")
+    return (ranked @ discounts) / (ideal @ discounts)
+
+
+# --- MMEB ---------------------------------------------------------------------------------------------------------
+
+
+def load_tables(source: str | Path, tasks: Sequence[str] | None = None) -> dict[str, Dataset]:  # noqa: F821
+    """Tables by task name: one file, or every table file of a folder (named after the file)."""
+    from datasets import load_dataset
+
+    path = Path(source)
+    files = sorted(p for p in path.iterdir() if p.suffix in TABLE_SUFFIXES) if path.is_dir() else [path]
+    if not files or not all(p.is_file() and p.suffix in TABLE_SUFFIXES for p in files):
+        raise FileNotFoundError(f"{source}: expected a {'/'.join(TABLE_SUFFIXES)} file or a folder of them")
+    tables = {p.stem: p for p in files}
+    _check_task_names(tables, tasks, source)
+    return {
+        task: load_dataset("parquet" if p.suffix == ".parquet" else "json", data_files=str(p), split="train")
+        for task, p in tables.items() if tasks is None or task in tasks
+    }  # fmt: skip
+
+
+def mmeb_inputs(table, image_root: str | Path | None, limit: int | None = None) -> tuple[list, list[list]]:
+    """The queries of an MMEB evaluation table and each query's candidates (the positive first)."""
+    missing = [c for c in ("qry_text", "qry_img_path", "tgt_text", "tgt_img_path") if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"an MMEB evaluation table needs qry_text, qry_img_path, tgt_text and tgt_img_path; missing "
+            f"{', '.join(missing)} (columns: {', '.join(table.column_names)})"
+        )
+    queries, candidates = [], []
+    for row in table.select(range(min(limit or len(table), len(table)))):
+        if len(row["tgt_text"]) != len(row["tgt_img_path"]) or len(row["tgt_text"]) < 2:
+            raise ValueError(
+                f"query {len(queries)}: tgt_text and tgt_img_path must be lists of the same length, at least 2 "
+                f"candidates (got {len(row['tgt_text'])} and {len(row['tgt_img_path'])})"
+            )
+        queries.append(mmeb_input(row["qry_text"], row["qry_img_path"], image_root))
+        candidates.append([mmeb_input(t, i, image_root) for t, i in zip(row["tgt_text"], row["tgt_img_path"])])
+    return queries, candidates
+
+
+def evaluate_mmeb(model, processor, source, image_root=None, tasks: Sequence[str] | None = None,
+                  limit: int | None = None, batch_size: int = 16, max_length: int | None = None,
+                  progress: bool = True) -> dict:  # fmt: skip
+    """Hit@1 per MMEB task and per category, and their means. `image_root` defaults to the data's folder."""
+    tables = load_tables(source, tasks)
+    image_root = image_root if image_root is not None else _folder_of(source)
+    rows = []
+    for task, table in tables.items():
+        queries, candidates = mmeb_inputs(table, image_root, limit)
+        query_embeds = embed(model, processor, queries, batch_size, max_length, progress)
+        flat = [candidate for group in candidates for candidate in group]
+        candidate_embeds = embed(model, processor, flat, batch_size, max_length, progress)
+        hits, start = [], 0
+        for query, group in zip(query_embeds, candidates):
+            scores = candidate_embeds[start : start + len(group)] @ query
+            relevance = torch.zeros(len(group))
+            relevance[0] = 1
+            hits.append(hit_at_1(scores[None], relevance[None]))
+            start += len(group)
+        category = table["category"][0] if "category" in table.column_names else CATEGORY_OF_TASK.get(task, "other")
+        rows.append({"task": task, "category": category, "metric": "hit@1", "queries": len(queries),
+                     "score": float(torch.cat(hits).mean())})  # fmt: skip
+    return {"benchmark": "mmeb", "tasks": rows, **_summaries(rows)}
+
+
+# --- MRMR ---------------------------------------------------------------------------------------------------------
+
+
+def mrmr_input(row: dict, base: Path | None) -> dict:
+    """An MRMR query or document: its text and its images (`image`, `image 1`, `image 2`, ... columns: opened
+    images, or paths relative to `base`), placed where the text's `<image N>` markers are, else before the text."""
+    columns = [column for column in row if column == "image" or re.fullmatch(r"image \d+", column)]
+    images = {column: row[column] for column in columns if row[column] not in (None, "")}
+    text = row.get("text") or ""
+    markers = [int(number) for number in MRMR_IMAGE_MARKER.findall(text)]
+    if markers:
+        ordered = [images.pop(f"image {number}") for number in markers if f"image {number}" in images]
+        text = MRMR_IMAGE_MARKER.sub(IMAGE_TOKEN, text)
+        images = ordered + list(images.values())
+    else:
+        images = list(images.values())
+    images = [str(base / image) if isinstance(image, str) and base is not None else image for image in images]
+    return {"text": text or None, "images": images}
+
+
+def load_mrmr_task(folder: str | Path) -> tuple:
+    """The `query`, `corpus` and `qrels` tables of an MRMR task folder."""
+    folder = Path(folder)
+    tables = {}
+    for name in ("query", "corpus", "qrels"):
+        found = [folder / f"{name}{suffix}" for suffix in TABLE_SUFFIXES if (folder / f"{name}{suffix}").is_file()]
+        if not found:
+            raise FileNotFoundError(f"{folder} has no {name} table ({', '.join(name + s for s in TABLE_SUFFIXES)})")
+        tables[name] = load_tables(found[0])[name]
+    return tables["query"], tables["corpus"], tables["qrels"]
+
+
+def evaluate_mrmr(model, processor, source, tasks: Sequence[str] | None = None, limit: int | None = None,
+                  batch_size: int = 16, max_length: int | None = None, hit_at_1_categories=HIT_AT_1_CATEGORIES,
+                  progress: bool = True) -> dict:  # fmt: skip
+    """NDCG@10 (Hit@1 for `hit_at_1_categories`) per MRMR task and per subtask (query category), and the mean over
+    subtasks. `source` is a task folder or a folder of task folders."""
+    source = Path(source)
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: expected an MRMR task folder (query, corpus, qrels) or a folder of them")
+    is_task = any((source / f"qrels{suffix}").is_file() for suffix in TABLE_SUFFIXES)
+    folders = {source.name: source} if is_task else {p.name: p for p in sorted(source.iterdir()) if p.is_dir()}
+    _check_task_names(folders, tasks, source)
+    hit_categories = {category.lower() for category in hit_at_1_categories}
+    rows, per_category = [], defaultdict(list)
+    for task, folder in folders.items():
+        if tasks is not None and task not in tasks:
+            continue
+        query_table, corpus_table, qrels_table = load_mrmr_task(folder)
+        qrels = defaultdict(dict)
+        for qrel in qrels_table:
+            qrels[str(qrel["query_id"])][str(qrel["corpus_id"])] = float(qrel["score"])
+        queries = [row for row in query_table if any(score > 0 for score in qrels[str(row["id"])].values())]
+        queries = queries[:limit] if limit else queries
+        if not queries:
+            raise ValueError(f"MRMR task {task}: no query has a relevant document in the qrels")
+        doc_ids = [str(row["id"]) for row in corpus_table]
+        query_embeds, doc_embeds = (
+            embed(model, processor, [mrmr_input(row, folder) for row in rows], batch_size, max_length, progress)
+            for rows in (queries, corpus_table)
+        )
+        scores = query_embeds @ doc_embeds.t()
+        column = {doc_id: index for index, doc_id in enumerate(doc_ids)}
+        relevance = torch.zeros(scores.shape)
+        for index, row in enumerate(queries):
+            for doc_id, score in qrels[str(row["id"])].items():
+                if doc_id not in column:
+                    raise ValueError(f"MRMR task {task}: the qrels name document {doc_id!r}, absent from the corpus")
+                relevance[index, column[doc_id]] = score
+        ndcg, hits = ndcg_at_k(scores, relevance), hit_at_1(scores, relevance)
+        for index, row in enumerate(queries):
+            category = row.get("category") or task
+            per_category[task, category].append((ndcg[index].item(), hits[index].item()))
+        rows.append({"task": task, "category": "all", "metric": f"ndcg@{NDCG_K}", "queries": len(queries),
+                     "score": float(ndcg.mean())})  # fmt: skip
+    subtasks = []
+    for (task, category), values in per_category.items():
+        use_hit = category.lower() in hit_categories
+        scores = [hit if use_hit else ndcg for ndcg, hit in values]
+        subtasks.append({"task": task, "category": category, "metric": "hit@1" if use_hit else f"ndcg@{NDCG_K}",
+                         "queries": len(values), "score": sum(scores) / len(scores)})  # fmt: skip
+    return {"benchmark": "mrmr", "tasks": rows, "categories": subtasks,
+            "overall": sum(row["score"] for row in subtasks) / len(subtasks)}  # fmt: skip
+
+
+# --- shared -------------------------------------------------------------------------------------------------------
+
+
+def _summaries(rows: list[dict]) -> dict:
+    """Per-category means of the task scores and the mean over all tasks."""
+    by_category = defaultdict(list)
+    for row in rows:
+        by_category[row["category"]].append(row["score"])
+    categories = [{"category": category, "tasks": len(scores), "score": sum(scores) / len(scores)}
+                  for category, scores in by_category.items()]  # fmt: skip
+    return {"categories": categories, "overall": sum(row["score"] for row in rows) / len(rows)}
+
+
+def _check_task_names(found: dict, tasks: Sequence[str] | None, source) -> None:
+    unknown = sorted(set(tasks or ()) - set(found))
+    if unknown:
+        raise ValueError(f"{source} has no task {', '.join(unknown)}; it has {', '.join(sorted(found))}")
+
+
+def _folder_of(source) -> Path:
+    path = Path(source)
+    return path if path.is_dir() else path.parent
+
+
+def print_evaluation(results: dict) -> None:
+    """Results of `evaluate_mmeb` / `evaluate_mrmr` as per-task and per-category tables with the overall score."""
+    name = results["benchmark"].upper()
+    print_table(f"{name} per task", ["task", "category", "metric", "queries", "score"],
+                [[r["task"], r["category"], r["metric"], r["queries"], r["score"]] for r in results["tasks"]])
+    if results["benchmark"] == "mmeb":
+        print_table(f"{name} per category", ["category", "tasks", "mean hit@1"],
+                    [[r["category"], r["tasks"], r["score"]] for r in results["categories"]])
+    else:
+        print_table(f"{name} per subtask", ["task", "subtask", "metric", "queries", "score"],
+                    [[r["task"], r["category"], r["metric"], r["queries"], r["score"]] for r in results["categories"]])
+    over = "tasks" if results["benchmark"] == "mmeb" else "subtasks"
+    console.print(f"{name} overall (mean over {over}): {results['overall']:.4f}")
+
+
+# --- command line -------------------------------------------------------------------------------------------------
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `moezoo eval moemb`."""
+    parser.add_argument("--model", required=True, metavar="DIR", help="a MoEMB model folder with its processor")
+    parser.add_argument("--benchmark", choices=BENCHMARKS, required=True,
+                        help="mmeb: hit@1 over each query's candidates; mrmr: NDCG@10 (Hit@1 for negation)")
+    parser.add_argument("--data", required=True, metavar="PATH",
+                        help="mmeb: a table (parquet/jsonl/json) in MMEB's evaluation format or a folder of them, one "
+                             "per task; mrmr: a task folder with query, corpus and qrels tables, or a folder of them")
+    parser.add_argument("--image-root", metavar="DIR", help="mmeb: folder the image paths are relative to "
+                        "(default: the data's folder); MRMR paths are relative to their task folder")
+    parser.add_argument("--tasks", nargs="+", metavar="TASK", help="evaluate these tasks only (default: all)")
+    parser.add_argument("--limit", type=_positive_int, metavar="N", help="the first N queries of every task")
+    parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")
+    parser.add_argument("--max-length", type=_positive_int, metavar="N", help="longest input in tokens")
+    parser.add_argument("--hit-at-1-categories", nargs="+", default=list(HIT_AT_1_CATEGORIES), metavar="NAME",
+                        help="mrmr: subtasks scored by Hit@1 instead of NDCG@10 (default: negation)")
+    parser.add_argument("--device", help="where the model runs (default: cuda when available, else cpu)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ..modeling.moemb import MoEmbForEmbedding
+    from ..processors.moemb import MoEmbProcessor
+
+    model = MoEmbForEmbedding.from_pretrained(args.model)
+    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    processor = MoEmbProcessor.from_pretrained(args.model)
+    options = {"tasks": args.tasks, "limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length}
+    if args.benchmark == "mmeb":
+        results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)
+    else:
+        results = evaluate_mrmr(model, processor, args.data, hit_at_1_categories=args.hit_at_1_categories, **options)
+    results = {"model": str(args.model), "data": str(args.data), **results}
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_evaluation(results)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value

@@ -1,0 +1,620 @@
+"""Processors for MoTE (spec mote.md §6): GLM-OCR-MoTE images, VideoLLM-MoTE videos, and the task routes of both.
+
+MoTE routes every sample through one task expert, chosen by the integer `task_ids[b]` the models take. The processors
+produce it from task names, mapped through the model's expert list (`expert_names`, saved with the processor), or
+from the user prompt with a `MoteRouteSelector` (spec §2.4). Without either, `task_ids` is left out and the model uses
+its default route.
+
+- [`GlmOcrMoteProcessor`]: GLM-OCR's image processing (`Glm46VImageProcessorPil`: smart resize to multiples of
+  `patch_size * merge_size`, CLIP normalisation, patches in merge-block order) and its `<|image|>` placeholders.
+  transformers' `Glm46VProcessor` also needs a video processor, which needs torchvision; this image-only subclass
+  does not (spec §2.6, §6.3).
+- [`VideoLlmMoteFrameProcessor`]: VideoLLM-online's frames: resampled to 2 fps (the source frame nearest to each
+  `k / fps` seconds), at most the 1,200 most recent, letterboxed to 384 x 384 and normalised with mean = std = 0.5
+  (spec §6.1). PIL and numpy only: transformers' video processors need torchvision.
+- [`VideoLlmMoteProcessor`]: the frame processor with a Llama-3 tokenizer and the chat template of the paper's
+  appendix A.5; every frame becomes 10 `<v>` placeholders, frames are separated by `,`.
+
+The A.5 task prompts (`task_prompt`), answer formats (`format_answer`) and GLM-OCR-MoTE's prompts (`GLM_OCR_PROMPTS`,
+`kie_prompt`) are here too, so that data sets, training and evaluation render exactly what the models read and write.
+
+This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
+numpy and transformers it imports only from `video.py`, which is copied beside it.
+"""
+
+import math
+
+import numpy as np
+from transformers.image_processing_backends import PilBackend
+from transformers.image_processing_utils import BatchFeature
+from transformers.image_utils import PILImageResampling, SizeDict
+from transformers.models.glm46v.processing_glm46v import Glm46VProcessor
+from transformers.processing_utils import ImagesKwargs, ProcessorMixin, Unpack
+
+from .video import make_list_of_videos
+
+
+# --- task prompts (paper appendix A.5, identical to VideoLLM-online's COIN benchmark strings) ------------------------
+
+VIDEOLLM_SYSTEM_PROMPT = (
+    "A multimodal AI assistant is helping users with some activities. Below is their conversation, interleaved with "
+    "the list of video frames received by the assistant."
+)
+_CONCISE = "Format your answer concisely. No extra text output."
+_LISTED = "Format your answer concisely, listing each action on a new line with a number prefix. No extra text output."
+COIN_TASK_PROMPTS = {
+    "step": f"What is the action in the video? {_CONCISE}",
+    "next": f"What is the next action for the video? {_CONCISE}",
+    "task": f"What is the overall activity in the video? {_CONCISE}",
+    "proc": f"What is the next {{num_steps}} actions for the video? {_LISTED}",
+    "proc_plus": f"To {{goal}}, what is the next {{num_steps}} actions for the video? {_LISTED}",
+    "ego4d_narration": (
+        "Please concisely narrate the video in real time. Use the tag 'C' to denote the camera wearer, and other "
+        "letter tags, such as 'X', to denote other individuals in the scene."
+    ),
+}
+# Procedure forecasting over a single future step falls back to the single-step wording, as in VideoLLM-online; the
+# route stays `proc` / `proc_plus` (spec §6.2, §10 A13).
+SINGLE_STEP_PROMPTS = {
+    "proc": COIN_TASK_PROMPTS["next"],
+    "proc_plus": f"To {{goal}}, what is the next action for the video? {_CONCISE}",
+}
+PROCEDURE_TASKS = ("proc", "proc_plus")
+# The GLM-OCR SDK's task prompts; its `ocr` route answers all three.
+GLM_OCR_PROMPTS = ("Text Recognition:", "Table Recognition:", "Formula Recognition:")
+# The key fields of SROIE task 3, which GLM-OCR-MoTE's `kie` route extracts.
+SROIE_FIELDS = ("company", "date", "address", "total")
+
+
+def task_prompt(task: str, num_steps: int | None = None, goal: str | None = None) -> str:
+    """
+    The user prompt of a VideoLLM-MoTE task (paper A.5).
+
+    Args:
+        task: `step`, `next`, `task`, `proc`, `proc_plus` or `ego4d_narration`.
+        num_steps: For `proc` and `proc_plus`, the number of future steps asked for (VideoLLM-online uses up to 5).
+        goal: For `proc_plus`, the task goal as written in the data set ("Make french fries").
+    """
+    if task not in COIN_TASK_PROMPTS:
+        raise ValueError(f"No A.5 prompt for task {task!r}; the tasks are {', '.join(COIN_TASK_PROMPTS)}.")
+    if task not in PROCEDURE_TASKS:
+        return COIN_TASK_PROMPTS[task]
+    if num_steps is None or num_steps < 1:
+        raise ValueError(f"Task {task!r} needs num_steps >= 1 (the number of future steps), got {num_steps!r}.")
+    if task == "proc_plus" and not goal:
+        raise ValueError("Task 'proc_plus' needs the task goal (goal='Make french fries').")
+    template = SINGLE_STEP_PROMPTS[task] if num_steps == 1 else COIN_TASK_PROMPTS[task]
+    return template.format(num_steps=num_steps, goal=goal)
+
+
+def kie_prompt(fields: tuple[str, ...] = SROIE_FIELDS) -> str:
+    """
+    The `kie` route's prompt, a JSON-schema instruction listing the fields to extract (the paper does not give its
+    prompt; spec §6.2). The answer is a JSON object with these keys.
+    """
+    schema = ", ".join(f'"{field}": ""' for field in fields)
+    return f"Information Extraction: fill in the fields of this receipt as JSON: {{{schema}}}"
+
+
+def format_answer(task: str, labels: list[str]) -> str:
+    """
+    The target text of a COIN task (A.5): "Label." for one label; "1. A.\\n2. B." for `proc` and `proc_plus` over
+    several steps. Labels start with a capital letter, as in the paper.
+    """
+    if not labels:
+        raise ValueError("format_answer needs at least one label.")
+    sentences = [label[:1].upper() + label[1:] + "." for label in labels]
+    if task in PROCEDURE_TASKS and len(labels) > 1:
+        return "\n".join(f"{number}. {sentence}" for number, sentence in enumerate(sentences, start=1))
+    if len(labels) > 1:
+        raise ValueError(f"Task {task!r} answers with one label, got {len(labels)}.")
+    return sentences[0]
+
+
+# --- task routes ----------------------------------------------------------------------------------------------------
+
+
+class MoteRoutingMixin:
+    """
+    Turns task names, or a route selector, into the `task_ids` a MoTE model takes, and answers into the tokens a model
+    is trained to generate. Needs `self.expert_names` (route id -> expert name, the model's `mote_expert_names`),
+    `self.tokenizer`, `self.answer_prefix` (what separates the generation prompt from the answer) and
+    `self.user_prompt(text)`.
+    """
+
+    def route_ids(self, task, route_selector, texts: list[str]) -> list[int] | None:
+        """
+        One route id per text: from `task` (a name for the whole batch or one name per text), else from
+        `route_selector` applied to the user prompt of every text, else None (the model's default route).
+        """
+        if task is None and route_selector is None:
+            return None
+        if task is None:
+            selected = route_selector.select([self.user_prompt(text) for text in texts])
+            names = [route_selector.names[index] for index in selected.tolist()]
+        else:
+            names = [task] * len(texts) if isinstance(task, str) else list(task)
+        if len(names) != len(texts):
+            raise ValueError(f"Got {len(names)} task names for {len(texts)} texts: pass one name, or one per text.")
+        expert_names = list(self.expert_names or ())
+        unknown = sorted(set(names) - set(expert_names))
+        if unknown:
+            raise ValueError(
+                f"Unknown task {', '.join(map(repr, unknown))}: this processor's experts are {expert_names}. Use one "
+                "of them, or update `processor.expert_names` after adding an expert to the model."
+            )
+        return [expert_names.index(name) for name in names]
+
+    def answer_ids(self, answers: list[str]) -> list[list[int]]:
+        """
+        The token ids a model must generate after the generation prompt for each answer, end-of-turn token included:
+        the supervised positions of training (spec §3.1; `labels` are -100 everywhere else).
+        """
+        return [
+            self.tokenizer(self.answer_prefix + answer, add_special_tokens=False)["input_ids"]
+            + [self.tokenizer.eos_token_id]
+            for answer in answers
+        ]
+
+
+def add_task_ids(inputs: BatchFeature, route_ids: list[int] | None, return_tensors) -> BatchFeature:
+    if route_ids is not None:
+        inputs.update(BatchFeature({"task_ids": route_ids}, tensor_type=return_tensors))
+    return inputs
+
+
+def as_text_list(text) -> list[str]:
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"`text` must be a string or a non-empty list of strings, got {type(text).__name__}.")
+    return list(texts)
+
+
+# --- GLM-OCR-MoTE ---------------------------------------------------------------------------------------------------
+
+# A GLM-V chat template for the tiny presets; converted checkpoints keep GLM-OCR's own `chat_template.jinja`.
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
+)
+
+
+class GlmOcrMoteProcessor(MoteRoutingMixin, Glm46VProcessor):
+    r"""
+    Processor for GLM-OCR-MoTE: GLM-OCR's image processor and tokenizer, images only, plus task routes.
+
+    `processor(images=..., text=..., task="kie", return_tensors="pt")` returns what the model takes: `input_ids` and
+    `attention_mask`, with every `<|image|>` of the text expanded to the image's `(h / merge) * (w / merge)` tokens;
+    `pixel_values (patches, 3 * temporal_patch_size * patch_size**2)` and `image_grid_thw (images, 3)`;
+    `mm_token_type_ids` (1 on image tokens), which the model's 3-D rotary positions need; and `task_ids` when a task
+    or a route selector is given.
+
+    Args:
+        image_processor ([`Glm46VImageProcessorPil`]):
+            GLM-OCR's image processor (PIL backend; loaded as `Glm46VImageProcessor` where torchvision exists).
+        tokenizer ([`PreTrainedTokenizerBase`]):
+            GLM-OCR's tokenizer, with `<|image|>`, `<|begin_of_image|>`, `<|end_of_image|>`, `<|video|>`,
+            `<|begin_of_video|>` and `<|end_of_video|>`.
+        chat_template (`str`, *optional*):
+            The GLM-V chat template (`[gMASK]<sop><|user|>\n...<|assistant|>\n`).
+        expert_names (`list[str]`, *optional*):
+            Route id -> task name, as the model's `mote_expert_names` (e.g. `["ocr", "kie"]`).
+    """
+
+    answer_prefix = ""  # GLM answers start right after "<|assistant|>\n"
+
+    def __init__(self, image_processor, tokenizer, chat_template=None, expert_names=None):
+        # Glm46VProcessor.__init__ expects a video processor, which needs torchvision: set what it would set and
+        # initialise ProcessorMixin with the image processor and the tokenizer only (spec §2.6).
+        self.image_token, self.video_token = "<|image|>", "<|video|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        self.video_start_id = tokenizer.convert_tokens_to_ids("<|begin_of_video|>")
+        self.video_end_id = tokenizer.convert_tokens_to_ids("<|end_of_video|>")
+        self.expert_names = list(expert_names) if expert_names is not None else None
+
+    def __call__(self, images=None, text=None, videos=None, task=None, route_selector=None, **kwargs) -> BatchFeature:
+        """
+        Process images and text like GLM-OCR, then add `task_ids` (see [`MoteRoutingMixin.route_ids`]). `text` must
+        hold one `<|image|>` per image (use [`render_prompt`] or `apply_chat_template`).
+        """
+        if videos is not None:
+            raise ValueError("GLM-OCR-MoTE's processor takes images only; pass video frames as images.")
+        inputs = super().__call__(images=images, text=text, **kwargs)
+        route_ids = None if text is None else self.route_ids(task, route_selector, as_text_list(text))
+        return add_task_ids(inputs, route_ids, kwargs.get("return_tensors"))
+
+    def render_prompt(self, prompt: str, num_images: int = 1) -> str:
+        """A user turn with `num_images` images followed by `prompt`, and the generation prompt."""
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]
+        return self.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    def user_prompt(self, text: str) -> str:
+        """The text of the last user turn without its images: what the route selector reads (spec §2.4)."""
+        turn = text.rsplit("<|user|>", 1)[-1].split("<|assistant|>", 1)[0]
+        while "<|begin_of_image|>" in turn:
+            before, _, rest = turn.partition("<|begin_of_image|>")
+            turn = before + rest.partition("<|end_of_image|>")[2]
+        return turn.strip()
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return super().model_input_names + ["task_ids"]
+
+
+# --- VideoLLM-MoTE frames -------------------------------------------------------------------------------------------
+
+
+class VideoLlmMoteFrameProcessorKwargs(ImagesKwargs, total=False):
+    r"""
+    fps (`float`, *optional*, defaults to `self.fps`):
+        Frames per second the videos are resampled to (the paper's 2).
+    max_num_frames (`int`, *optional*, defaults to `self.max_num_frames`):
+        Most frames kept per video; longer videos keep their most recent frames (the paper's 1,200 = 10 min).
+    """
+
+    fps: float
+    max_num_frames: int
+
+
+def sample_frame_indices(
+    num_source_frames: int,
+    fps: float,
+    source_fps: float | None = None,
+    timestamps: list[float] | None = None,
+    segment: tuple[float, float] | None = None,
+    max_num_frames: int | None = None,
+) -> list[int]:
+    """
+    Indices of the source frames that make a `fps` stream: for every `k` with `k / fps` within the video, the source
+    frame nearest to `k / fps` seconds (the earlier one on a tie).
+
+    Source frame `i` is at `timestamps[i]`, else at `i / source_fps`; without either, the frames already are the
+    `fps` stream. A `segment = (start, end)` in seconds keeps stream frames `ceil(start * fps)` to `ceil(end * fps)`,
+    both included, as for COIN step segments. Beyond `max_num_frames`, the most recent frames are kept (spec §10, A15).
+    """
+    if num_source_frames < 1:
+        raise ValueError("A video needs at least one frame.")
+    if timestamps is not None:
+        times = np.asarray(timestamps, dtype=np.float64)
+        if times.shape != (num_source_frames,) or np.any(np.diff(times) < 0):
+            raise ValueError(
+                f"Expected {num_source_frames} non-decreasing timestamps (one per frame), got {len(timestamps)}: "
+                f"{list(timestamps)[:8]}..."
+            )
+    else:
+        rate = fps if source_fps is None else source_fps
+        if rate <= 0:
+            raise ValueError(f"The source fps must be positive, got {rate}.")
+        times = np.arange(num_source_frames) / rate
+    # A small tolerance keeps frames whose time is k / fps up to floating-point error.
+    first, last = math.ceil(times[0] * fps - 1e-6), math.floor(times[-1] * fps + 1e-6)
+    if segment is not None:
+        start, end = segment
+        if end < start:
+            raise ValueError(f"A segment must have start <= end, got {segment}.")
+        first, last = max(first, math.ceil(start * fps - 1e-6)), min(last, math.ceil(end * fps - 1e-6))
+    if last < first:
+        raise ValueError(
+            f"No {fps} fps frame falls within the video ({times[0]:.2f} s to {times[-1]:.2f} s)"
+            + (f" and the segment {segment}" if segment is not None else "")
+            + "."
+        )
+    targets = np.arange(first, last + 1) / fps
+    if num_source_frames == 1:
+        indices = [0] * len(targets)
+    else:
+        after = np.clip(np.searchsorted(times, targets), 1, num_source_frames - 1)
+        before = after - 1
+        indices = np.where(np.abs(times[after] - targets) < np.abs(targets - times[before]), after, before).tolist()
+    return indices[-max_num_frames:] if max_num_frames is not None else indices
+
+
+def letterbox_size(height: int, width: int, box_height: int, box_width: int) -> tuple[int, int]:
+    """The size of an image scaled, aspect ratio kept, to fit `box_height` x `box_width` with one side filling it."""
+    scale = min(box_height / height, box_width / width)
+    return max(1, min(box_height, round(height * scale))), max(1, min(box_width, round(width * scale)))
+
+
+def per_video(value, num_videos: int, name: str) -> list:
+    """`value` for every video: a list with one entry per video, or one value (None included) shared by all. (Per-video
+    timestamps are lists themselves, so they always come as a list of lists.)"""
+    if isinstance(value, list):
+        if len(value) != num_videos:
+            raise ValueError(f"`{name}` has {len(value)} entries for {num_videos} videos: pass one per video.")
+        return value
+    return [value] * num_videos
+
+
+class VideoLlmMoteFrameProcessor(PilBackend):
+    r"""
+    Frame sampling and preprocessing of VideoLLM-MoTE (VideoLLM-online's), on transformers' PIL/numpy backend.
+
+    Videos are decoded frames (a list of PIL images or arrays, or a `(frames, height, width, channels)` array), one
+    video or a list of them. Each is resampled to `fps` with [`sample_frame_indices`], cut to `max_num_frames`, and
+    every kept frame is letterboxed: scaled (bicubic) so that its longer side fills `size`, centred on a black
+    canvas of `size`, rescaled to [0, 1] and normalised with mean = std = 0.5.
+
+    Returns `pixel_values_videos (sum of frames, 3, height, width)` float32, the frames of all videos one after the
+    other, and `video_num_frames (videos,)` int64.
+
+    Args:
+        fps (`float`, *optional*, defaults to 2):
+            Frames per second of the stream the model sees.
+        max_num_frames (`int`, *optional*, defaults to 1200):
+            Most frames per video (the most recent are kept).
+        size (`dict[str, int]`, *optional*, defaults to `{"height": 384, "width": 384}`):
+            The canvas; the vision tower's image size.
+        Other arguments (`resample`, `do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`, `image_std`,
+        `do_convert_rgb`) work as in every transformers image processor.
+    """
+
+    valid_kwargs = VideoLlmMoteFrameProcessorKwargs
+    model_input_names = ["pixel_values_videos", "video_num_frames"]
+
+    fps = 2.0
+    max_num_frames = 1200
+    size = {"height": 384, "width": 384}
+    resample = PILImageResampling.BICUBIC
+    image_mean = [0.5, 0.5, 0.5]
+    image_std = [0.5, 0.5, 0.5]
+    do_resize = True
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+
+    def __call__(
+        self,
+        videos,
+        video_fps: float | list[float | None] | None = None,
+        timestamps: list[list[float]] | None = None,
+        segments: tuple[float, float] | list[tuple[float, float] | None] | None = None,
+        return_tensors=None,
+        **kwargs: Unpack[VideoLlmMoteFrameProcessorKwargs],
+    ) -> BatchFeature:
+        """
+        Sample and process `videos`.
+
+        Args:
+            videos: One video or a list of videos (see the class docstring).
+            video_fps: Frames per second of the decoded videos, one for all or one per video. Without it (and without
+                `timestamps`) the frames are taken to be the `fps` stream already.
+            timestamps: Per video, the time in seconds of each of its frames (for frames decoded irregularly).
+            segments: `(start, end)` in seconds, one for all or one (or None) per video: the part to keep.
+            kwargs: `fps`, `max_num_frames` and the image options, overriding this processor's settings.
+        """
+        fps = kwargs.pop("fps", None)
+        fps = self.fps if fps is None else fps
+        max_num_frames = kwargs.pop("max_num_frames", None)
+        max_num_frames = self.max_num_frames if max_num_frames is None else max_num_frames
+        if fps <= 0 or max_num_frames < 1:
+            raise ValueError(f"fps must be positive and max_num_frames at least 1, got {fps} and {max_num_frames}.")
+        videos = make_list_of_videos(videos)
+        frames, num_frames = [], []
+        for video, source_fps, times, segment in zip(
+            videos, per_video(video_fps, len(videos), "video_fps"), per_video(timestamps, len(videos), "timestamps"),
+            per_video(segments, len(videos), "segments"),
+        ):  # fmt: skip
+            indices = sample_frame_indices(len(video), fps, source_fps, times, segment, max_num_frames)
+            frames.extend(video[i] for i in indices)
+            num_frames.append(len(indices))
+        pixel_values = self.preprocess(frames, **kwargs)["pixel_values"]
+        data = {"pixel_values_videos": pixel_values, "video_num_frames": np.array(num_frames, dtype=np.int64)}
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def _preprocess(
+        self,
+        images: list[np.ndarray],
+        do_resize: bool,
+        size: SizeDict,
+        resample: PILImageResampling,
+        do_rescale: bool,
+        rescale_factor: float,
+        do_normalize: bool,
+        image_mean: tuple[float, ...],
+        image_std: tuple[float, ...],
+        **kwargs,
+    ) -> BatchFeature:
+        processed = []
+        for image in images:
+            if do_resize:
+                image = self.letterbox(image, size, resample)
+            if do_rescale:
+                image = self.rescale(image, rescale_factor)
+            if do_normalize:
+                image = self.normalize(image, image_mean, image_std)
+            processed.append(image.astype(np.float32))
+        if len({image.shape for image in processed}) > 1:
+            raise ValueError(
+                "With do_resize=False every frame must have the same size; got "
+                f"{sorted({image.shape[1:] for image in processed})}."
+            )
+        return BatchFeature(data={"pixel_values": np.stack(processed)})
+
+    def letterbox(self, image: np.ndarray, size: SizeDict, resample: PILImageResampling) -> np.ndarray:
+        """Scale a (channels, height, width) uint8 image to fit `size` and pad it centrally with black."""
+        height, width = letterbox_size(image.shape[-2], image.shape[-1], size.height, size.width)
+        image = self.resize(image, SizeDict(height=height, width=width), resample=resample)
+        top, left = (size.height - height) // 2, (size.width - width) // 2
+        padding = ((0, 0), (top, size.height - height - top), (left, size.width - width - left))
+        return np.pad(image, padding)
+
+
+# --- VideoLLM-MoTE --------------------------------------------------------------------------------------------------
+
+VIDEO_TOKEN = "<v>"  # stands for the frame placeholder token in the template below
+
+
+def videollm_chat_template(video_token: str) -> str:
+    """
+    VideoLLM-online's chat template (paper A.5) with `video_token` as the frame placeholder.
+
+    Roles: `system` -> `<|begin_of_text|>` + content + `\\n`; `user` -> `\\nUser: ` + content; `stream` ->
+    `\\n[` + one `video_token` + `]`, which the processor expands into the frames of its video; `assistant` ->
+    `\\nAssistant: ` + content + `<|eot_id|>`; the generation prompt is `\\nAssistant:`.
+    """
+    return (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'system' -%}{{ bos_token + message['content'] + '\n' }}"
+        "{%- elif message['role'] == 'user' -%}{{ '\nUser: ' + message['content'] }}"
+        "{%- elif message['role'] == 'stream' -%}{{ '\n[" + video_token + "]' }}"
+        "{%- elif message['role'] == 'assistant' -%}{{ '\nAssistant: ' + message['content'] + eos_token }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '\nAssistant:' }}{%- endif -%}"
+    )
+
+
+class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
+    r"""
+    Processor for VideoLLM-MoTE: a [`VideoLlmMoteFrameProcessor`] for the videos and a Llama-3 tokenizer.
+
+    `processor(text=..., videos=..., task="step", return_tensors="pt")` returns `input_ids` and `attention_mask`,
+    `pixel_values_videos` and `video_num_frames` (see the frame processor) and `task_ids`. Each text holds one
+    `video_token` per video, in order (a `stream` message of the chat template renders one, inside `[` `]`); it is
+    expanded to the video's frames, `frame_num_tokens` placeholders per frame separated by `frame_interval_token`, so
+    F frames cost `10F + (F - 1)` tokens (spec §2.7). Texts are rendered prompts, beginning-of-text included, so the
+    tokenizer adds no special tokens of its own.
+
+    Args:
+        image_processor ([`VideoLlmMoteFrameProcessor`]):
+            Samples and processes the frames (transformers loads it with `AutoImageProcessor`, hence the name).
+        tokenizer ([`PreTrainedTokenizerBase`]):
+            The Llama-3 tokenizer, whose `eos_token` ends assistant turns (`<|eot_id|>` for the Instruct models).
+        chat_template (`str`, *optional*):
+            Defaults to [`videollm_chat_template`] with `video_token`.
+        expert_names (`list[str]`, *optional*):
+            Route id -> task name, as the model's `mote_expert_names`.
+        video_token (`str`, *optional*, defaults to `"<v>"`):
+            The frame placeholder: a reserved special token of the vocabulary (`<|reserved_special_token_0|>` for
+            Llama-3), whose id is the model's `video_token_id`.
+        frame_interval_token (`str`, *optional*, defaults to `","`):
+            Separates frames; its id is the model's `frame_token_interval_id`.
+        frame_num_tokens (`int`, *optional*, defaults to 10):
+            Placeholders per frame (the "CLS" token and a 3 x 3 pooled grid).
+        system_prompt (`str`, *optional*):
+            The system prompt [`render_prompt`] uses; VideoLLM-online's by default.
+    """
+
+    answer_prefix = " "  # "\nAssistant:" ends the prompt; answers follow after a space (A.5)
+
+    def __init__(
+        self,
+        image_processor,
+        tokenizer,
+        chat_template=None,
+        expert_names=None,
+        video_token: str = VIDEO_TOKEN,
+        frame_interval_token: str = ",",
+        frame_num_tokens: int = 10,
+        system_prompt: str = VIDEOLLM_SYSTEM_PROMPT,
+    ):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or videollm_chat_template(video_token))
+        self.expert_names = list(expert_names) if expert_names is not None else None
+        self.video_token = video_token
+        self.frame_interval_token = frame_interval_token
+        self.frame_num_tokens = frame_num_tokens
+        self.system_prompt = system_prompt
+        vocabulary = tokenizer.get_vocab()
+        for token in (video_token, frame_interval_token):
+            if token not in vocabulary:
+                raise ValueError(f"The tokenizer has no token {token!r}: it must be a single token of the vocabulary.")
+        self.video_token_id = vocabulary[video_token]
+        self.frame_interval_token_id = vocabulary[frame_interval_token]
+
+    def __call__(
+        self,
+        text=None,
+        videos=None,
+        task=None,
+        route_selector=None,
+        video_fps=None,
+        timestamps=None,
+        segments=None,
+        return_tensors=None,
+        **kwargs,
+    ) -> BatchFeature:
+        """
+        Process texts and their videos.
+
+        Args:
+            text: A rendered prompt or a list of them (see [`render_prompt`]), with one `video_token` per video.
+            videos: The videos of all texts in order (one video, or a list; see [`VideoLlmMoteFrameProcessor`]).
+            task: A task name for the whole batch or one per text; else `route_selector` chooses from the user
+                prompts; else no `task_ids` (the model's default route).
+            route_selector: A `MoteRouteSelector` whose names are task names of this processor.
+            video_fps, timestamps, segments: How to sample the videos (see [`VideoLlmMoteFrameProcessor`]).
+            kwargs: Frame options (`fps`, `max_num_frames`, `size`, ...) go to the frame processor, everything else
+                (`padding`, `padding_side`, `truncation`, ...) to the tokenizer.
+        """
+        if text is None:
+            raise ValueError("VideoLlmMoteProcessor needs `text`: render it with `render_prompt` or the chat template.")
+        texts = as_text_list(text)
+        frame_keys = self.image_processor.valid_kwargs.__annotations__
+        frame_options = {key: kwargs.pop(key) for key in list(kwargs) if key in frame_keys}
+        num_markers = sum(t.count(self.video_token) for t in texts)
+        video_inputs = {}
+        if videos is not None:
+            video_inputs = self.image_processor(
+                videos, video_fps=video_fps, timestamps=timestamps, segments=segments, **frame_options
+            )
+        num_videos = len(video_inputs.get("video_num_frames", ()))
+        if num_markers != num_videos:
+            raise ValueError(
+                f"The texts hold {num_markers} {self.video_token!r} placeholders for {num_videos} videos: put one "
+                "`stream` message (one placeholder) per video in the conversation."
+            )
+        if num_videos:
+            texts = self.expand_video_placeholders(texts, video_inputs["video_num_frames"].tolist())
+        text_inputs = self.tokenizer(texts, add_special_tokens=False, **kwargs)
+        inputs = BatchFeature(data={**text_inputs, **video_inputs}, tensor_type=return_tensors)
+        return add_task_ids(inputs, self.route_ids(task, route_selector, as_text_list(text)), return_tensors)
+
+    def expand_video_placeholders(self, texts: list[str], num_frames: list[int]) -> list[str]:
+        """Replace the i-th `video_token` of the batch by the frame placeholders of the i-th video."""
+        frame = self.video_token * self.frame_num_tokens
+        counts = iter(num_frames)
+        return [
+            "".join(
+                piece if index == 0 else self.frame_interval_token.join([frame] * next(counts)) + piece
+                for index, piece in enumerate(text.split(self.video_token))
+            )
+            for text in texts
+        ]
+
+    def render_prompt(self, prompt: str, system_prompt: str | None = None) -> str:
+        """The COIN layout of A.5: system prompt, user prompt, the video stream, then the generation prompt."""
+        messages = [
+            {"role": "system", "content": self.system_prompt if system_prompt is None else system_prompt},
+            {"role": "user", "content": prompt},
+            {"role": "stream"},
+        ]
+        return self.apply_chat_template(messages, add_generation_prompt=True)
+
+    def user_prompt(self, text: str) -> str:
+        """The last user turn of a rendered text: what the route selector reads (spec §2.4)."""
+        return text.rsplit("\nUser: ", 1)[-1].split("\n", 1)[0].strip()
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return self.tokenizer.model_input_names + self.image_processor.model_input_names + ["task_ids"]
+
+
+__all__ = [
+    "GlmOcrMoteProcessor",
+    "VideoLlmMoteFrameProcessor",
+    "VideoLlmMoteProcessor",
+    "format_answer",
+    "kie_prompt",
+    "sample_frame_indices",
+    "task_prompt",
+]

@@ -1,0 +1,579 @@
+"""Training MoEMB with `transformers.Trainer` (spec moemb.md §2.3, §7).
+
+- **Loss**: one-directional InfoNCE from queries to targets, `cross_entropy(s * Q T^T, labels)` with the fixed logit
+  scale `s` of the config (50), over the global batch: the targets (and optional provided hard negatives, extra
+  columns of the logits) of every process are gathered with gradients flowing back to the process that embedded
+  them. Optionally, in-batch targets identical to a query's own target are masked out (spec A-14).
+- **GradCache** (`--chunk-size`): a contrastive batch larger than memory allows. Chunks are embedded without
+  gradients, the loss gives the gradient of every embedding, then each chunk is embedded again with gradients and
+  back-propagated from its cached embedding gradient, replaying the random state of its first pass (dropout). The
+  parameter gradients equal the full batch's.
+- **LoRA** (spec §7.2): PEFT adapters on the attention projections of the full-attention layers, the shared experts,
+  the vision blocks and the merger (and the Gated DeltaNet projections with `--lora-target-gdn`); for the routed
+  experts low-rank updates of the fused expert weights: one shared by all experts of a layer (`--expert-lora shared`,
+  the paper's Megatron reading and the default for native MoE), one per group of consecutive experts (`grouped`), or
+  one per expert (`per-expert`, what PEFT's `target_parameters` does, and the default for upcycled and modality
+  experts, which must diverge); the `<emb>` embedding row trainable (PEFT `trainable_token_indices`); the router
+  frozen unless `--train-router` (or the config trains it). Adapters are merged into the saved model.
+- **Recipe** (spec §7.1): AdamW (0.9, 0.98), weight decay 0.01, gradient clipping 1.0, 10 warmup steps, cosine decay
+  to a tenth of the peak learning rate: 1e-4 (`--recipe stated`, the paper's headline) or 5e-5 (`tuned`, Fig. 6).
+
+Data is MMEB's training format (VLM2Vec): `qry`, `qry_image_path`, `pos_text`, `pos_image_path` and optionally
+`neg_text`, `neg_image_path`, in a JSON / JSON Lines / CSV / Parquet file, a folder of them (one task each), or a
+`datasets.Dataset`; image paths are relative to `--image-root` (default: the data's folder). The loss curve and the
+routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import zlib
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import Dataset, concatenate_datasets, load_dataset
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.utils import parametrize
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .. import __version__
+from ..configuration.moemb import TOKEN_MODALITIES
+from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..modeling.moe.experts import SwiGLUExperts
+from ..modeling.moe.router import TopKRouter
+from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
+from ..modeling.moemb import MoEmbForEmbedding
+from ..processors.moemb import MoEmbProcessor, mmeb_input
+from ..terminal import console, print_table
+from .callbacks import use_rich_progress
+from .data import TABLE_FORMATS
+from .distributed import all_gather_with_grad, world
+from .plots import plot_training_curves
+
+SIDES = ("query", "target", "negative")
+MMEB_COLUMNS = {"query": ("qry", "qry_image_path"), "target": ("pos_text", "pos_image_path"),
+                "negative": ("neg_text", "neg_image_path")}  # fmt: skip
+RECIPES = {"stated": 1e-4, "tuned": 5e-5}
+EXPERT_LORA_MODES = ("shared", "grouped", "per-expert", "none")
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+
+def load_mmeb_dataset(source: str | Path | Dataset, image_root: str | Path | None = None,
+                      negatives: bool = False) -> Dataset:  # fmt: skip
+    """Examples `{"query", "target"[, "negative"], "task"}` of processor inputs from data in MMEB's training format.
+
+    `source` is a table file, a folder of table files (each a task, named after the file), or a `datasets.Dataset`
+    whose image columns hold paths or images. Relative image paths are resolved against `image_root` (default: the
+    folder of the data). With `negatives`, the `neg_text` / `neg_image_path` columns become a hard negative per
+    query (a row without one fails when its batch is processed).
+    """
+    sides = SIDES if negatives else SIDES[:2]
+    columns = [column for side in sides for column in MMEB_COLUMNS[side]]
+    if isinstance(source, Dataset):
+        parts, base = [("train", source)], None
+    else:
+        path = Path(source)
+        files = sorted(p for p in path.iterdir() if p.suffix in TABLE_FORMATS) if path.is_dir() else [path]
+        if not files or not all(p.is_file() and p.suffix in TABLE_FORMATS for p in files):
+            raise FileNotFoundError(
+                f"{source}: expected an MMEB training file ({', '.join(TABLE_FORMATS)}) or a folder of them"
+            )
+        parts = [(p.stem, load_dataset(TABLE_FORMATS[p.suffix], data_files=str(p), split="train")) for p in files]
+        base = path if path.is_dir() else path.parent
+    tables = []
+    for task, table in parts:
+        missing = [column for column in columns if column not in table.column_names]
+        if missing:
+            raise ValueError(
+                f"{source} ({task}) has no column {', '.join(map(repr, missing))} (columns: "
+                f"{', '.join(table.column_names)}); MMEB's training format has qry, qry_image_path, pos_text, "
+                "pos_image_path" + (" and, for --negatives, neg_text, neg_image_path" if negatives else "")
+            )
+        table = table.select_columns(columns)
+        tables.append(table.add_column("task", [task] * len(table)))
+    dataset = concatenate_datasets(tables)
+    if len(dataset) == 0:
+        raise ValueError(f"{source} holds no examples")
+    root = Path(image_root) if image_root is not None else base
+    return dataset.with_transform(lambda batch: _mmeb_examples(batch, sides, root))
+
+
+def _mmeb_examples(batch: dict, sides: tuple[str, ...], image_root: Path | None) -> dict:
+    examples = {"task": batch["task"]}
+    for side in sides:
+        text_column, image_column = MMEB_COLUMNS[side]
+        pairs = zip(batch[text_column], batch[image_column])
+        examples[side] = [mmeb_input(text, image, image_root) for text, image in pairs]
+    return examples
+
+
+def target_key(item: dict) -> int:
+    """A 32-bit checksum of an input's content (texts, image paths or pixels), equal for identical targets and the
+    same in every process (unlike `hash`)."""
+    key = zlib.crc32(repr((item.get("instruction"), item.get("text"))).encode())
+    for image in item.get("images") or []:
+        key = zlib.crc32(image.encode() if isinstance(image, str) else np.asarray(image).tobytes(), key)
+    return key
+
+
+@dataclass
+class MoEmbCollator:
+    """Examples -> `{"query": [chunk batches], "target": [...], ["negative": [...]], "target_keys"}`: each side
+    processed in chunks of `chunk_size` inputs (one chunk without GradCache)."""
+
+    processor: MoEmbProcessor
+    chunk_size: int | None = None
+    max_length: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        size = self.chunk_size or len(examples)
+        batch = {}
+        for side in SIDES:
+            if side in examples[0]:
+                items = [example[side] for example in examples]
+                batch[side] = [
+                    self.processor(items[start : start + size], max_length=self.max_length)
+                    for start in range(0, len(items), size)
+                ]
+        batch["target_keys"] = torch.tensor([target_key(example["target"]) for example in examples])
+        return batch
+
+
+# --- loss ---------------------------------------------------------------------------------------------------------
+
+
+def info_nce_loss(
+    queries: torch.Tensor,
+    targets: torch.Tensor,
+    logit_scale: float,
+    negatives: torch.Tensor | None = None,
+    target_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One-directional InfoNCE of this process's queries over the targets (then the negatives) of all processes.
+
+    Query `i` of process `r` has its label at `r * B + i` (equal local batch sizes `B`). The gathered embeddings
+    carry gradients back to the process that computed them, summed over processes, so with DDP's gradient averaging
+    the update equals a single process's on the concatenated batch. `target_keys` masks every other target equal to
+    the query's own (false negatives).
+    """
+    rank, _ = world()
+    labels = rank * queries.shape[0] + torch.arange(queries.shape[0], device=queries.device)
+    logits = logit_scale * queries @ all_gather_with_grad(targets).t()
+    if target_keys is not None:
+        keys = all_gather_with_grad(target_keys)
+        duplicates = keys[labels][:, None] == keys[None, :]
+        duplicates[torch.arange(len(labels)), labels] = False
+        logits = logits.masked_fill(duplicates, float("-inf"))
+    if negatives is not None:
+        logits = torch.cat([logits, logit_scale * queries @ all_gather_with_grad(negatives).t()], dim=1)
+    return F.cross_entropy(logits, labels)
+
+
+def embed_chunks(model, chunks: list) -> torch.Tensor:
+    return torch.cat([model(**chunk).embeddings for chunk in chunks])
+
+
+class RandomState:
+    """The CPU (and current CUDA device) random state, to replay a forward's dropout masks."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def replay(self):
+        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def cached_contrastive_backward(
+    model,
+    inputs: dict,
+    loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    no_sync: Callable[[], object] = nullcontext,
+) -> torch.Tensor:
+    """GradCache (Gao et al. 2021) over the chunks of `inputs` (see `MoEmbCollator`): accumulates into the parameters
+    the gradients of `loss_fn({side: embeddings})` on the whole batch, holding one chunk's activations at a time.
+    `no_sync` wraps every chunk's backward but the last (DDP's gradient all-reduce). Returns the loss."""
+    device = next(model.parameters()).device
+    sides = [side for side in SIDES if side in inputs]
+    states = {}
+    with torch.no_grad():
+        cached = {}
+        for side in sides:
+            chunk_embeddings = []
+            for index, chunk in enumerate(inputs[side]):
+                states[side, index] = RandomState(device)
+                chunk_embeddings.append(model(**chunk).embeddings)
+            cached[side] = torch.cat(chunk_embeddings).requires_grad_()
+    loss = loss_fn(cached)
+    backward(loss)  # gradients of the cached embeddings only: they are leaves
+
+    last = (sides[-1], len(inputs[sides[-1]]) - 1)
+    for side in sides:
+        start = 0
+        for index, chunk in enumerate(inputs[side]):
+            with states[side, index].replay(), (nullcontext() if (side, index) == last else no_sync()):
+                embeddings = model(**chunk).embeddings
+                gradient = cached[side].grad[start : start + len(embeddings)]
+                backward((embeddings * gradient).sum())
+            start += len(embeddings)
+    return loss.detach()
+
+
+class MoEmbTrainer(Trainer):
+    """Global-batch InfoNCE (`info_nce_loss`), with GradCache when the collator makes several chunks per side."""
+
+    def __init__(self, *args, logit_scale: float, mask_duplicate_targets: bool = False, gradcache: bool = False,
+                 **kwargs):  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.logit_scale = logit_scale
+        self.mask_duplicate_targets = mask_duplicate_targets
+        self.gradcache = gradcache
+
+    def contrastive_loss(self, embeddings: dict[str, torch.Tensor], inputs: dict) -> torch.Tensor:
+        return info_nce_loss(
+            embeddings["query"], embeddings["target"], self.logit_scale, embeddings.get("negative"),
+            inputs["target_keys"] if self.mask_duplicate_targets else None,
+        )  # fmt: skip
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        embeddings = {side: embed_chunks(model, inputs[side]) for side in SIDES if side in inputs}
+        loss = self.contrastive_loss(embeddings, inputs)
+        return (loss, embeddings) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.gradcache:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        steps = self.current_gradient_accumulation_steps
+        loss = cached_contrastive_backward(
+            model, inputs, lambda embeddings: self.contrastive_loss(embeddings, inputs) / steps,
+            backward=self.accelerator.backward, no_sync=lambda: self.accelerator.no_sync(model),
+        )  # fmt: skip
+        return loss
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------------------
+
+
+# Spec §7.2 (verified with peft 0.21): a regex, since a bare "proj" would also match the vision Conv3d
+# patch_embed.proj.
+LORA_TARGETS = (
+    r".*language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+    r"|mlp\.shared_expert\.(gate_proj|up_proj|down_proj){gdn})"
+    r"|.*visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc(1|2))|.*visual\.merger\.linear_fc(1|2)"
+)
+GDN_LORA_TARGETS = r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)"
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class LoraOptions:
+    rank: int = 64
+    alpha: int = 128
+    dropout: float = 0.05  # on the nn.Linear adapters; the expert adapters act on weights, without dropout (A-4)
+    experts: str | None = None  # one of EXPERT_LORA_MODES; None: "shared" for native MoE, else "per-expert"
+    expert_groups: int = 1  # "grouped": adapters per layer, each shared by num_experts / expert_groups experts
+    target_gdn: bool = False  # also the Gated DeltaNet projections (the paper's A10B count)
+    train_router: bool | None = None  # None: the config's router_trainable
+
+
+class GroupedExpertLoRA(nn.Module):
+    """A parametrization of fused expert weights `W (E, out, in)`: `W_e + (alpha / r) B_g A_g` for every expert `e`
+    of group `g` (`num_groups` runs of consecutive experts). With one group, a single adapter serves all experts of
+    the layer, as Megatron's LoRA on grouped experts does (spec A-3). `A` starts Kaiming-uniform and `B` at zero, as
+    PEFT's, so the model is unchanged at initialisation; every experts implementation reads the adapted weight."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, alpha: int, num_groups: int):
+        super().__init__()
+        num_experts, out_features, in_features = weight.shape
+        if num_groups < 1 or num_experts % num_groups:
+            raise ValueError(f"expert LoRA groups must divide the {num_experts} experts, got {num_groups}")
+        self.num_groups = num_groups
+        self.scaling = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(num_groups, rank, in_features, dtype=weight.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(num_groups, out_features, rank, dtype=weight.dtype))
+        for matrix in self.lora_A:
+            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        delta = self.scaling * (self.lora_B @ self.lora_A)  # (G, out, in)
+        # Broadcast over the experts of each group without copying the delta per expert.
+        return (weight.unflatten(0, (self.num_groups, -1)) + delta[:, None]).flatten(0, 1)
+
+
+def expert_lora_mode(config, options: LoraOptions) -> str:
+    """The routed experts' adapters: as asked, else shared for native MoE and per expert for upcycled and modality
+    experts, which start as copies of one FFN and can only diverge with adapters of their own (spec A-11)."""
+    return options.experts or ("shared" if config.moe_variant == "native" else "per-expert")
+
+
+def apply_lora(model: MoEmbForEmbedding, options: LoraOptions):
+    """The PEFT model of spec §7.2's recipe (see the module docstring); only adapters, the `<emb>` row and, when
+    trained, the routers take gradients."""
+    config = model.config
+    experts = expert_lora_mode(config, options)
+    if experts not in EXPERT_LORA_MODES:
+        raise ValueError(f"expert LoRA must be one of {', '.join(EXPERT_LORA_MODES)}, got {experts!r}")
+    if config.moe_variant != "native" and experts in ("shared", "grouped"):
+        raise ValueError(
+            f"{config.moe_variant} experts are copies of one dense FFN and need adapters of their own to diverge: "
+            "use --expert-lora per-expert (spec A-11)"
+        )
+    lora_config = LoraConfig(
+        r=options.rank,
+        lora_alpha=options.alpha,
+        lora_dropout=options.dropout,
+        target_modules=LORA_TARGETS.format(gdn=GDN_LORA_TARGETS if options.target_gdn else ""),
+        trainable_token_indices={"embed_tokens": [config.emb_token_id]} if config.pooling == "emb_token" else None,
+    )
+    peft_model = get_peft_model(model, lora_config)
+    # Registered after PEFT, which would otherwise take these `lora_` parameters for its own when merging.
+    if experts != "none":
+        groups = {"shared": 1, "grouped": options.expert_groups, "per-expert": config.text_config.num_experts}[experts]
+        for module in peft_model.modules():
+            if isinstance(module, SwiGLUExperts):
+                for name in EXPERT_PARAMETERS:
+                    adapter = GroupedExpertLoRA(getattr(module, name), options.rank, options.alpha, groups)
+                    parametrize.register_parametrization(module, name, adapter)
+    train_router = config.router_trainable if options.train_router is None else options.train_router
+    for module in peft_model.modules():
+        if isinstance(module, TopKRouter):
+            module.requires_grad_(train_router)
+    return peft_model
+
+
+def merge_lora(peft_model) -> MoEmbForEmbedding:
+    """The model with every adapter folded into its weights: PEFT's, then the expert parametrizations."""
+    model = peft_model.merge_and_unload()
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for name in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    return model
+
+
+def count_trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEmbTrainingOptions:
+    steps: int = 200
+    batch_size: int = 32  # per process; the negatives pool is the global batch
+    recipe: str = "stated"
+    learning_rate: float | None = None  # default: the recipe's
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    chunk_size: int | None = None  # GradCache chunk size; None embeds the batch at once
+    max_length: int | None = None  # default: the processor's (8192)
+    negatives: bool = False
+    mask_duplicate_targets: bool = False
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    bf16: bool = False
+    seed: int = 0
+    logging_steps: int = 10
+
+
+@dataclass
+class LossHistory(TrainerCallback):
+    curves: dict[str, list[float]] = field(default_factory=lambda: {"InfoNCE loss": [], "learning rate": []})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.curves["InfoNCE loss"].append(float(logs["loss"]))
+            self.curves["learning rate"].append(float(logs.get("learning_rate", float("nan"))))
+
+
+def train_moemb(
+    model_dir: str | Path,
+    data,
+    out: str | Path,
+    options: MoEmbTrainingOptions | None = None,
+    image_root: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """LoRA-train the MoEMB model in `model_dir` on `data` (MMEB's training format, see `load_mmeb_dataset`) and save
+    the merged model, its processor, the loss curves and the routing heatmap to `out`. Returns the training record
+    (also written to the provenance file)."""
+    options = options or MoEmbTrainingOptions()
+    if options.recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
+    dataset = load_mmeb_dataset(data, image_root, options.negatives)
+    if len(dataset) < options.batch_size:
+        raise ValueError(f"the data set has {len(dataset)} examples, fewer than one batch of {options.batch_size}")
+    if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
+        raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
+                         f"{options.chunk_size}")  # fmt: skip
+    model = MoEmbForEmbedding.from_pretrained(model_dir, dtype=torch.bfloat16 if options.bf16 else torch.float32)
+    processor = MoEmbProcessor.from_pretrained(model_dir)
+    if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
+        raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
+    peft_model = apply_lora(model, options.lora)
+    trainable = count_trainable(peft_model)
+    learning_rate = options.learning_rate or RECIPES[options.recipe]
+
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        args = TrainingArguments(
+            output_dir=str(staging / "checkpoints"),
+            max_steps=options.steps,
+            per_device_train_batch_size=options.batch_size,
+            gradient_accumulation_steps=options.gradient_accumulation_steps,
+            activation_checkpointing=options.gradient_checkpointing,
+            learning_rate=learning_rate,
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1},
+            warmup_steps=options.warmup_steps,
+            weight_decay=options.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.98,
+            max_grad_norm=1.0,
+            bf16=options.bf16,
+            logging_steps=min(options.logging_steps, options.steps),
+            save_strategy="no",
+            report_to="none",
+            seed=options.seed,
+            dataloader_drop_last=True,  # equal local batches: the labels of the gathered logits assume them
+            remove_unused_columns=False,
+            use_cpu=not torch.cuda.is_available(),
+        )
+        history = LossHistory()
+        collator = MoEmbCollator(processor, options.chunk_size, options.max_length)
+        trainer = MoEmbTrainer(
+            model=peft_model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[history],
+            logit_scale=model.config.logit_scale, mask_duplicate_targets=options.mask_duplicate_targets,
+            gradcache=options.chunk_size is not None,
+        )  # fmt: skip
+        use_rich_progress(trainer)
+        result = trainer.train()
+        model = merge_lora(peft_model)
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
+
+        curves = plot_training_curves(history.curves, staging / "training_curves.png", title="MoEMB training",
+                                      xlabel=f"logging step (every {options.logging_steps} optimizer steps)")
+        heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
+        lora = options.lora
+        training = {
+            "summary": f"contrastive LoRA training (InfoNCE, logit scale {model.config.logit_scale}) for "
+                       f"{options.steps} steps, batch {options.batch_size}, {options.recipe} recipe",
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "learning_rate": learning_rate,
+            # The first and last logged losses (each a mean over `logging_steps` steps) and the mean over training.
+            "initial_loss": round(history.curves["InfoNCE loss"][0], 4),
+            "final_loss": round(history.curves["InfoNCE loss"][-1], 4),
+            "mean_loss": round(result.training_loss, 4),
+            "examples": len(dataset),
+            "lora": f"r={lora.rank}, alpha={lora.alpha}, experts: {expert_lora_mode(model.config, lora)}"
+                    + (f" ({lora.expert_groups} groups)" if lora.experts == "grouped" else "")
+                    + (", Gated DeltaNet" if lora.target_gdn else ""),
+            "trainable_parameters": trainable,
+            "gradcache_chunk_size": options.chunk_size,
+        }
+        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        console.print(f"wrote {curves.name} and {heatmap.name}")
+    return training
+
+
+@torch.no_grad()
+def routing_heatmap(model: MoEmbForEmbedding, dataset, collator: MoEmbCollator, path: Path,
+                    num_examples: int = 64) -> Path:  # fmt: skip
+    """Tokens per expert per layer of the text model, by token modality (those present), over the queries and
+    targets of the first examples of `dataset`."""
+    model.eval()
+    examples = [dataset[i] for i in range(min(num_examples, len(dataset)))]
+    chunks = [chunk.to(model.device) for side in ("query", "target") for chunk in collator(examples)[side]]
+    present = torch.unique(torch.cat([chunk["mm_token_type_ids"].flatten() for chunk in chunks]))
+    group_of_modality = torch.zeros(len(TOKEN_MODALITIES), dtype=torch.long, device=model.device)
+    group_of_modality[present] = torch.arange(len(present), device=model.device)
+    with record_routing(model, group_names=[TOKEN_MODALITIES[int(m)] for m in present]) as stats:
+        for chunk in chunks:
+            stats.set_groups(group_of_modality[chunk["mm_token_type_ids"]])  # padding is text (0), always present
+            model(**chunk)
+    return plot_routing_heatmap(stats, path, title="MoEMB experts: share of each modality's tokens per layer")
+
+
+def add_train_arguments(parser) -> None:
+    defaults, lora = MoEmbTrainingOptions(), LoraOptions()
+    parser.add_argument("--model", required=True, help="a MoEMB folder (moezoo convert / create / train)")
+    parser.add_argument("--data", required=True,
+                        help="MMEB training data: a JSON/JSONL/CSV/Parquet file with qry, qry_image_path, pos_text, "
+                             "pos_image_path (and neg_text, neg_image_path), or a folder of such files, one per task")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--image-root", help="folder the image paths are relative to (default: the data's folder)")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="pairs per process; all processes' targets are every query's negatives")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default=defaults.recipe,
+                        help="stated: peak LR 1e-4 (the paper's headline); tuned: 5e-5 (its Fig. 6)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the recipe's)")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--chunk-size", type=int,
+                        help="GradCache: embed the batch in chunks of this many inputs (same gradients, less memory)")
+    parser.add_argument("--max-length", type=int, help="longest input in tokens (default: the processor's)")
+    parser.add_argument("--negatives", action="store_true", help="use neg_text / neg_image_path as hard negatives")
+    parser.add_argument("--mask-duplicate-targets", action="store_true",
+                        help="do not count in-batch targets identical to a query's own target as negatives")
+    parser.add_argument("--lora-r", type=int, default=lora.rank)
+    parser.add_argument("--lora-alpha", type=int, default=lora.alpha)
+    parser.add_argument("--lora-dropout", type=float, default=lora.dropout)
+    parser.add_argument("--expert-lora", choices=EXPERT_LORA_MODES,
+                        help="routed experts: one adapter per layer (shared; default for native MoE), per group of "
+                             "experts, per expert (default for upcycled and modality experts), or none")
+    parser.add_argument("--expert-lora-groups", type=int, default=lora.expert_groups,
+                        help="with --expert-lora grouped: adapters per layer, each for consecutive experts")
+    parser.add_argument("--lora-target-gdn", action="store_true",
+                        help="also adapt the Gated DeltaNet projections (the paper's A10B recipe)")
+    router = parser.add_mutually_exclusive_group()
+    router.add_argument("--train-router", dest="train_router", action="store_true", default=None)
+    router.add_argument("--freeze-router", dest="train_router", action="store_false",
+                        help="(default: the config's router_trainable, frozen for native MoE)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def run_train(args) -> int:
+    options = MoEmbTrainingOptions(
+        steps=args.steps, batch_size=args.batch_size, recipe=args.recipe, learning_rate=args.lr,
+        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing,
+        chunk_size=args.chunk_size, max_length=args.max_length, negatives=args.negatives,
+        mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16, seed=args.seed,
+        logging_steps=args.logging_steps,
+        lora=LoraOptions(rank=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, experts=args.expert_lora,
+                         expert_groups=args.expert_lora_groups, target_gdn=args.lora_target_gdn,
+                         train_router=args.train_router),
+    )  # fmt: skip
+    training = train_moemb(args.model, args.data, args.out, options, image_root=args.image_root,
+                           overwrite=args.overwrite)
+    print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
+    return 0

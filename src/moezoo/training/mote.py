@@ -1,0 +1,531 @@
+"""Training MoTE with `transformers.Trainer` (spec mote.md §3, §7).
+
+- Joint multi-task training: every example carries its task, which is its route (`task_ids`); the loss is the LM
+  loss on the answer and its end-of-turn token (spec §3.1). Only the selected expert and the shared expert of each
+  example get gradients; the vision tower stays frozen; the rest of the decoder trains in full or, as in the paper,
+  through LoRA on attention (`lora_r`), merged at the end.
+- Expert addition (spec §3.3): a new expert, copied from an existing one, the shared expert or the dense base, trains
+  alone on its task; every other parameter is frozen, so every other route stays bit-identical.
+- Batches come from `MoteBucketBatchSampler` (spec §7.3): one route per step on every process, buckets drawn in
+  proportion to their unseen examples.
+
+Experts that an optimizer step did not use have `grad is None`: Trainer zeroes gradients with `set_to_none=True`, and
+AdamW skips such parameters, so neither momentum nor weight decay moves them. Under DDP they are unused parameters,
+so `MoteTrainer` turns on `ddp_find_unused_parameters` unless told otherwise. (DeepSpeed ZeRO's flat gradient buffers
+hold zeros instead: unselected experts then drift during joint training, never during expert addition, where they
+are outside the optimizer.)
+
+TRL works too: `SFTTrainer` prepares prompt-completion data as usual, and `TaskIdsCollator` around its collator
+carries each example's route to the model (pass `remove_unused_columns=False`).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model
+from PIL import Image
+from torch.utils.data import DataLoader, Sampler
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .. import __version__
+from ..hub.export import read_model_type
+from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
+from ..processors.mote import GlmOcrMoteProcessor, VideoLlmMoteProcessor
+from ..terminal import console, print_table
+from .callbacks import use_rich_progress
+from .data import TABLE_FORMATS
+from .plots import plot_training_curves
+
+
+# The architectures `moezoo train mote` trains: model_type -> (model class, processor class).
+TRAINABLE = {
+    "videollm_mote": (VideoLlmMoteForConditionalGeneration, VideoLlmMoteProcessor),
+    "glm_ocr_mote": (GlmOcrMoteForConditionalGeneration, GlmOcrMoteProcessor),
+}
+# Frozen in every MoTE recipe (spec §7.1): VideoLLM-MoTE's SigLIP, GLM-OCR's CogViT and merger.
+VISION_MODULES = ("model.vision_tower", "model.visual")
+# LoRA on the decoder's attention only, never the vision tower's (spec §7.1).
+ATTENTION_LORA_TARGETS = r"model\.(language_model\.)?layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+# What joint training trains besides LoRA (spec §7.1): the experts, the shared experts and the projector.
+JOINT_TRAINABLE = ("mlp.experts.", "mlp.shared_expert.", "multi_modal_projector.")
+IGNORE_INDEX = -100
+
+
+# --- the bucketed rank-aligned sampler (spec §7.3, paper A.3) -------------------------------------------------------
+
+
+class MoteBucketBatchSampler(Sampler[list[int]]):
+    r"""
+    Batches of a single route each, with every process on the same route at every step.
+
+    At the start of an epoch the examples are grouped by route and every bucket is shuffled. Each step draws a bucket
+    with probability proportional to its examples not yet drawn this epoch, then a global group of
+    `batch_size * num_replicas` examples from it; process `k` trains on `group[k * batch_size : (k + 1) * batch_size]`.
+    A bucket with fewer unseen examples than a group is topped up from a reshuffled copy of itself, with examples not
+    already in the group while there are any. The epoch ends when every example has been drawn, after
+    `sum_m ceil(n_m / group)` steps, so large buckets are not under-sampled nor small ones recycled. All processes
+    seed their generator with `seed + epoch`, so they make the same draws without communicating.
+
+    With `rank=None` every step yields its `num_replicas` local batches in rank order: accelerate's `BatchSamplerShard`
+    (what `Trainer` wraps a batch sampler in) hands batch `i` to process `i % num_replicas`, which is exactly that. With
+    `rank=k` it yields process `k`'s batches only, for a data loader that is not sharded again.
+
+    Args:
+        route_ids: The route (`task_ids` value) of every example of the data set.
+        batch_size: Examples per process and step.
+        num_replicas: Number of data-parallel processes.
+        rank: The process to yield batches for, or None for all (see above).
+        seed: Seeds the shuffles and draws, with the epoch (`set_epoch`).
+    """
+
+    def __init__(
+        self, route_ids: Sequence[int], batch_size: int, num_replicas: int = 1, rank: int | None = None, seed: int = 0
+    ):
+        if len(route_ids) == 0:
+            raise ValueError("MoteBucketBatchSampler needs at least one example.")
+        if batch_size < 1 or num_replicas < 1:
+            raise ValueError(f"batch_size and num_replicas must be positive, got {batch_size} and {num_replicas}.")
+        if rank is not None and not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}.")
+        routes = torch.as_tensor(list(route_ids))
+        self.buckets = {int(route): (routes == route).nonzero().squeeze(1) for route in routes.unique()}
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.drop_last = False  # read by accelerate; every batch is full
+
+    @property
+    def group_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    @property
+    def num_steps(self) -> int:
+        """Steps per epoch: `sum_m ceil(n_m / group_size)`."""
+        return sum(math.ceil(len(bucket) / self.group_size) for bucket in self.buckets.values())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_steps * (self.num_replicas if self.rank is None else 1)
+
+    def __iter__(self):
+        for group in self.groups():
+            ranks = range(self.num_replicas) if self.rank is None else [self.rank]
+            for rank in ranks:
+                yield group[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def groups(self):
+        """The global group of every step of the current epoch (the same on every process)."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        routes = list(self.buckets)
+        orders = {
+            route: bucket[torch.randperm(len(bucket), generator=generator)] for route, bucket in self.buckets.items()
+        }
+        drawn = dict.fromkeys(routes, 0)
+        for _ in range(self.num_steps):
+            fresh = torch.tensor([len(orders[route]) - drawn[route] for route in routes], dtype=torch.float)
+            route = routes[int(torch.multinomial(fresh, 1, generator=generator))]
+            group = orders[route][drawn[route] : drawn[route] + self.group_size].tolist()
+            drawn[route] += len(group)
+            while len(group) < self.group_size:
+                bucket = self.buckets[route]
+                reshuffled = bucket[torch.randperm(len(bucket), generator=generator)].tolist()
+                taken = set(group)
+                # A bucket smaller than a group cannot fill it without repeating examples.
+                unused = [index for index in reshuffled if index not in taken] or reshuffled
+                group += unused[: self.group_size - len(group)]
+            yield group
+
+
+def route_id(task: str, expert_names: Sequence[str]) -> int:
+    """The route id of task `task`: its index among the model's experts."""
+    if task not in expert_names:
+        raise ValueError(
+            f"Task {task!r} is not an expert of the model ({list(expert_names)}): give each example a task named "
+            "after an expert, or an int `task_ids`."
+        )
+    return list(expert_names).index(task)
+
+
+def dataset_route_ids(dataset, expert_names: Sequence[str]) -> list[int]:
+    """The route of every example: its `task_ids` column, or its `task` column (names) mapped to route ids."""
+    columns = dataset.column_names
+    if "task_ids" in columns:
+        return [int(route) for route in dataset["task_ids"]]
+    if "task" not in columns:
+        raise ValueError(f"The data set needs a `task` (name) or `task_ids` column to route examples; it has {columns}")
+    return [route_id(task, expert_names) for task in dataset["task"]]
+
+
+# --- batches --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoteCollator:
+    """
+    Examples `{"task", "prompt", "answer"}` plus `"frames"` (VideoLLM-MoTE) or `"image"` (GLM-OCR-MoTE) -> a training
+    batch: the rendered prompt with its media, then the answer and the end-of-turn token, which alone are supervised
+    (`labels` is -100 elsewhere); `task_ids` from the task names. Sequences are padded on the right.
+    """
+
+    processor: VideoLlmMoteProcessor | GlmOcrMoteProcessor
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        encoded = [self.encode(example) for example in examples]
+        length = max(len(features["input_ids"]) for features in encoded)
+        tokenizer = self.processor.tokenizer
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        padding = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+        batch = {
+            key: torch.tensor([features[key] + [value] * (length - len(features[key])) for features in encoded])
+            for key, value in padding.items()
+            if key in encoded[0]
+        }
+        for key in encoded[0].keys() - padding.keys():
+            batch[key] = torch.from_numpy(np.concatenate([features[key] for features in encoded]))
+        return batch
+
+    def encode(self, example: dict) -> dict:
+        """One example's token lists (prompt + answer) and media arrays."""
+        text = [self.processor.render_prompt(example["prompt"])]
+        if "frames" in example:
+            media = {"videos": [example["frames"]], "video_fps": example.get("video_fps")}
+        elif "image" in example:
+            media = {"images": [example["image"]]}
+        else:
+            raise ValueError(f"An example needs `frames` (a video) or an `image`; it has {sorted(example)}.")
+        inputs = self.processor(text=text, task=example["task"], return_tensors="np", **media)
+        prompt = inputs.pop("input_ids")[0].tolist()
+        answer = self.processor.answer_ids([example["answer"]])[0]
+        features = {key: value for key, value in inputs.items() if key != "attention_mask"}
+        features["input_ids"] = prompt + answer
+        features["attention_mask"] = [1] * len(features["input_ids"])
+        features["labels"] = [IGNORE_INDEX] * len(prompt) + answer
+        if "mm_token_type_ids" in features:
+            features["mm_token_type_ids"] = features["mm_token_type_ids"][0].tolist() + [0] * len(answer)
+        return features
+
+
+@dataclass
+class TaskIdsCollator:
+    """
+    Wraps any collator (TRL's, `DataCollatorWithPadding`, ...) so that each example's route reaches the model: its
+    `task_ids` (an int) or `task` (a name, mapped through `expert_names`) becomes the batch's `task_ids`.
+    """
+
+    collator: Callable[[list[dict]], dict]
+    expert_names: Sequence[str] = ()
+
+    def __call__(self, examples: list[dict]) -> dict:
+        routes = [
+            int(example["task_ids"]) if "task_ids" in example else route_id(example.get("task"), self.expert_names)
+            for example in examples
+        ]
+        removed = ("task", "task_ids")
+        batch = self.collator([{k: v for k, v in example.items() if k not in removed} for example in examples])
+        batch["task_ids"] = torch.tensor(routes, dtype=torch.long)
+        return batch
+
+
+# --- the trainer ----------------------------------------------------------------------------------------------------
+
+
+class MoteTrainer(Trainer):
+    """
+    `Trainer` with route-homogeneous, rank-aligned batches (`MoteBucketBatchSampler`) and DDP that allows the unused
+    experts. The training data set needs a `task` or `task_ids` column. The loss of every step is kept per route
+    (`route_losses`, route id -> losses), for the curves.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *more, **kwargs):
+        if args is not None and args.ddp_find_unused_parameters is None:
+            # Unselected experts take no part in a step; DDP must expect that (spec §3.2).
+            args.ddp_find_unused_parameters = True
+        super().__init__(model, args, *more, **kwargs)
+        self.route_losses: dict[int, list[float]] = {}
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("MoteTrainer: training requires a train_dataset.")
+        expert_names = self.accelerator.unwrap_model(self.model).config.get_text_config().mote_expert_names
+        routes = dataset_route_ids(self.train_dataset, expert_names)
+        dataset, collator = self.train_dataset, self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        sampler = MoteBucketBatchSampler(
+            routes, self._train_batch_size, num_replicas=self.args.world_size, seed=self.args.seed
+        )
+        loader = DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )  # fmt: skip
+        return self.accelerator.prepare(loader)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        task_ids = inputs.get("task_ids")
+        if model.training and task_ids is not None:
+            loss = result[0] if return_outputs else result
+            self.route_losses.setdefault(int(task_ids[0]), []).append(float(loss.detach()))
+        return result
+
+
+# --- what trains ----------------------------------------------------------------------------------------------------
+
+
+def freeze_vision(model) -> None:
+    """Freeze the vision tower (and GLM-OCR's merger, which lives in it): frozen in every MoTE recipe."""
+    for name, module in model.named_modules():
+        if name in VISION_MODULES:
+            module.requires_grad_(False)
+
+
+def with_attention_lora(model, rank: int):
+    """The paper's joint recipe (spec §7.1): LoRA (alpha = 2 r) on the decoder's attention; the experts, the shared
+    experts and the projector train in full; everything else is frozen."""
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTENTION_LORA_TARGETS)
+    peft_model = get_peft_model(model, config)
+    for name, parameter in peft_model.named_parameters():
+        if any(part in name for part in JOINT_TRAINABLE):
+            parameter.requires_grad_(True)
+    return peft_model
+
+
+def trainable_parameters(model) -> dict[str, int]:
+    parameters = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    return {"trainable": trainable, "frozen": sum(p.numel() for p in parameters) - trainable}
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoteTrainingOptions:
+    steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    lora_r: int = 0  # 0: the decoder trains in full (for models trained from scratch); else LoRA on attention
+    tasks: tuple[str, ...] = ()  # train on these tasks only (default: every task of the data)
+    add_expert: str | None = None  # expert addition: the new expert's name ...
+    # ... what it starts as: an expert's name, "shared" (after joint training; a fresh conversion's shared expert
+    # outputs zero) or "dense" (needs the base model, `train_mote(dense_source=...)`)
+    init_from: str = "shared"
+    description: str | None = None  # ... and its description for the route selector
+    seed: int = 0
+    logging_steps: int = 10
+
+
+@dataclass
+class TrainingCurves(TrainerCallback):
+    """The logged training loss, for the curves."""
+
+    losses: list[float] = field(default_factory=list)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def load_mote_model(model_dir: str | Path):
+    """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder."""
+    model_type = read_model_type(Path(model_dir))
+    if model_type not in TRAINABLE:
+        raise ValueError(
+            f"{model_dir} holds a {model_type!r} model; `moezoo train mote` trains {', '.join(TRAINABLE)} (train the "
+            "text-only LlamaMote with TRL's SFTTrainer and TaskIdsCollator)"
+        )
+    model_class, processor_class = TRAINABLE[model_type]
+    return model_class.from_pretrained(model_dir), processor_class.from_pretrained(model_dir)
+
+
+def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str] = ()) -> datasets.Dataset:
+    """
+    Examples with `task`, `prompt`, `answer` and `frames` (a list of images or image paths) or `image`, of `tasks`
+    only if given: a `datasets.Dataset`, or a JSON / JSON Lines / CSV / Parquet file whose media paths are relative
+    to the file.
+    """
+    if isinstance(source, datasets.Dataset):
+        dataset, base = source, None
+    else:
+        path = Path(source)
+        if path.suffix not in TABLE_FORMATS or not path.is_file():
+            raise ValueError(f"{path}: expected a {', '.join(TABLE_FORMATS)} file or a datasets.Dataset")
+        dataset = datasets.load_dataset(TABLE_FORMATS[path.suffix], data_files=str(path), split="train")
+        base = path.parent
+    missing = [column for column in ("task", "prompt", "answer") if column not in dataset.column_names]
+    if missing or not {"frames", "image"} & set(dataset.column_names):
+        raise ValueError(
+            f"The data set needs columns task, prompt, answer and frames (videos) or image; it has "
+            f"{dataset.column_names}."
+        )
+    if tasks:
+        dataset = dataset.filter(lambda task: task in tasks, input_columns="task")
+        if len(dataset) == 0:
+            raise ValueError(f"The data set has no example of the tasks {list(tasks)}.")
+    return dataset if base is None else dataset.with_transform(lambda batch: _open_media(batch, base))
+
+
+def _open_media(batch: dict, base: Path) -> dict:
+    def open_image(item):
+        return item if not isinstance(item, str) else _load_rgb(base / item)
+
+    batch = dict(batch)
+    if "frames" in batch:
+        batch["frames"] = [[open_image(frame) for frame in frames] for frames in batch["frames"]]
+    if "image" in batch:
+        batch["image"] = [open_image(image) for image in batch["image"]]
+    return batch
+
+
+def _load_rgb(path: Path) -> Image.Image:
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def train_mote(
+    model_dir: str | Path,
+    data: str | Path | datasets.Dataset,
+    out: str | Path,
+    options: MoteTrainingOptions | None = None,
+    overwrite: bool = False,
+    dense_source=None,
+) -> dict:
+    """
+    Train the MoTE model in `model_dir` on `data` (see `load_mote_dataset`) and save it with its processor, its loss
+    curves (overall and per route) and a provenance record to `out`. Joint training by default; with
+    `options.add_expert`, expert addition on that task's examples only. Returns the training summary.
+
+    `dense_source` is the loaded dense base model, for `init_from="dense"`.
+    """
+    options = options or MoteTrainingOptions()
+    model, processor = load_mote_model(model_dir)
+    # Expert addition trains on the new task's examples only (spec §3.3).
+    dataset = load_mote_dataset(data, (options.add_expert,) if options.add_expert else options.tasks)
+    text_config = model.config.get_text_config()
+    if options.add_expert:
+        model.add_expert(options.add_expert, options.init_from, dense_source, options.description)
+        model.freeze_for_expert_addition(options.add_expert)
+        trained, recipe = model, f"expert addition of {options.add_expert!r} (from {options.init_from!r})"
+    else:
+        freeze_vision(model)
+        if options.lora_r:
+            trained, recipe = with_attention_lora(model, options.lora_r), f"joint, LoRA r={options.lora_r}"
+        else:
+            trained, recipe = model, "joint, full decoder"
+    processor.expert_names = list(text_config.mote_expert_names)
+    counts = trainable_parameters(trained)
+
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        args = TrainingArguments(
+            output_dir=str(staging / "checkpoints"),
+            max_steps=options.steps,
+            per_device_train_batch_size=options.batch_size,
+            gradient_accumulation_steps=options.gradient_accumulation_steps,
+            activation_checkpointing=options.gradient_checkpointing,
+            learning_rate=options.learning_rate,
+            weight_decay=options.weight_decay,
+            warmup_steps=options.warmup_steps,
+            lr_scheduler_type="cosine",
+            logging_steps=min(options.logging_steps, options.steps),
+            save_strategy="no",
+            report_to="none",
+            seed=options.seed,
+            remove_unused_columns=False,  # the collator reads task, prompt, answer and the media
+            use_cpu=not torch.cuda.is_available(),
+        )
+        curves = TrainingCurves()
+        trainer = MoteTrainer(
+            model=trained, args=args, train_dataset=dataset, data_collator=MoteCollator(processor), callbacks=[curves]
+        )
+        use_rich_progress(trainer)
+        result = trainer.train()
+        if trained is not model:  # LoRA: merged into the attention weights
+            model = trained.merge_and_unload()
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
+
+        names = text_config.mote_expert_names
+        panels = {"loss": curves.losses} | {
+            f"loss of route {names[route]!r} (per step)": losses
+            for route, losses in sorted(trainer.route_losses.items())
+        }
+        plot = plot_training_curves(panels, staging / "training_curves.png", title=f"MoTE training: {recipe}",
+                                    xlabel="logged step (overall) / training step of the route")
+        training = {
+            "summary": f"{recipe} for {options.steps} steps, batch {options.batch_size}",
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "learning_rate": options.learning_rate,
+            "final_loss": round(result.training_loss, 4),
+            "examples": len(dataset),
+            "examples_per_task": dict(sorted(Counter(dataset["task"]).items())),
+            "experts": list(names),
+            "trainable_parameters": counts["trainable"],
+            "frozen_parameters": counts["frozen"],
+            "lora_r": options.lora_r or None,
+        }
+        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        console.print(f"wrote {plot.name}")
+    return training
+
+
+def add_train_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="a VideoLLM-MoTE or GLM-OCR-MoTE folder (convert / train)")
+    parser.add_argument("--data", required=True,
+                        help="JSON / JSON Lines / CSV / Parquet with task, prompt, answer and frames or image")
+    parser.add_argument("--out", required=True)
+    defaults = MoteTrainingOptions()
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--lora-r", type=int, default=0,
+                        help="joint training with LoRA of this rank on attention (the paper's recipe), merged at the "
+                             "end; 0 trains the decoder in full")
+    parser.add_argument("--task", dest="tasks", nargs="+", default=(), help="train on these tasks only")
+    parser.add_argument("--add-expert", default=None, metavar="NAME",
+                        help="expert addition: add expert NAME and train only it, on the data's NAME examples")
+    parser.add_argument("--init-from", default=defaults.init_from,
+                        help="with --add-expert: an existing expert's name, or 'shared' (default; the trained shared "
+                             "expert)")
+    parser.add_argument("--description", default=None, help="with --add-expert: its description for route selection")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def run_train(args) -> int:
+    options = MoteTrainingOptions(
+        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r, tasks=tuple(args.tasks),
+        add_expert=args.add_expert, init_from=args.init_from, description=args.description, seed=args.seed,
+        logging_steps=args.logging_steps,
+    )
+    training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)
+    print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
+    return 0

@@ -1,0 +1,222 @@
+"""MoEMB evaluation: the metrics against their formulas, the MMEB and MRMR protocols on synthetic sets in those
+benchmarks' formats (with an embedder whose answers are known, and with the tiny model), and the command."""
+
+import argparse
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoImageProcessor
+
+from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
+from moezoo.evaluation.moemb import (
+    add_eval_arguments,
+    embed,
+    evaluate_mmeb,
+    evaluate_mrmr,
+    hit_at_1,
+    mrmr_input,
+    ndcg_at_k,
+    run_eval,
+)
+from moezoo.modeling.moemb import MoEmbForEmbedding
+from moezoo.processors.build_moemb import make_moemb_processor
+from moezoo.processors.moemb import IMAGE_TOKEN, MoEmbImageProcessor
+from moezoo.training.moemb_synthetic import ShapeRetrieval
+
+CONFIG = MoEmbConfig(**TINY_MOEMB)
+COLOURS = ("red", "green", "blue", "yellow")
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return make_moemb_processor(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    torch.manual_seed(0)
+    MoEmbForEmbedding(CONFIG).save_pretrained(folder)
+    make_moemb_processor(CONFIG).save_pretrained(folder)
+    return folder
+
+
+class ColourWords(torch.nn.Module):
+    """An embedder with known answers: the counts of the colour words in each input's text, or one constant vector
+    (`collapsed`), whatever the images."""
+
+    def __init__(self, processor, collapsed: bool = False):
+        super().__init__()
+        self.tokenizer, self.collapsed = processor.tokenizer, collapsed
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def forward(self, input_ids, **inputs):
+        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        counts = torch.tensor([[float(text.count(colour)) for colour in COLOURS] for text in texts])
+        return SimpleNamespace(embeddings=torch.ones_like(counts) if self.collapsed else counts)
+
+
+# --- metrics ---------------------------------------------------------------------------------------------------------
+
+
+def test_ndcg_and_hit_at_1_follow_their_formulas():
+    scores = torch.tensor([[0.9, 0.8, 0.7, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    relevance = torch.tensor([[0.0, 2.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    # Row 0 ranks 0, 1, 2, 3: gains 0, 2, 0, 1; ideal 2, 1. Row 1 ranks the relevant document last.
+    dcg = 2 / math.log2(3) + 1 / math.log2(5)
+    ideal = 2 / math.log2(2) + 1 / math.log2(3)
+    expected = torch.tensor([dcg / ideal, (1 / math.log2(5)) / 1.0], dtype=torch.float64)
+    torch.testing.assert_close(ndcg_at_k(scores, relevance, k=10), expected)
+    assert ndcg_at_k(scores, relevance, k=1).tolist() == [0.0, 0.0]
+    assert hit_at_1(scores, relevance).tolist() == [0.0, 0.0]
+    assert hit_at_1(scores, relevance.flip(-1)).tolist() == [1.0, 1.0]
+    # Ties go against the model: equal scores rank the relevant candidates last.
+    tied = torch.zeros(1, 4)
+    assert hit_at_1(tied, relevance[:1]).item() == 0.0
+    torch.testing.assert_close(
+        ndcg_at_k(tied, relevance[:1]),
+        torch.tensor([(1 / math.log2(4) + 2 / math.log2(5)) / ideal], dtype=torch.float64),
+    )
+    with pytest.raises(ValueError, match="at least one relevant"):
+        ndcg_at_k(scores, torch.zeros(2, 4))
+
+
+def test_embed_batches_deduplicates_and_restores_the_mode(tiny, processor):
+    model = MoEmbForEmbedding.from_pretrained(tiny).train()
+    texts = ["a red circle", "a blue square", "a red circle", "a green cross", "a blue square"]
+    embeddings = embed(model, processor, texts, batch_size=2, progress=False)
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        direct = model(**processor(texts)).embeddings
+    torch.testing.assert_close(embeddings, direct, atol=1e-5, rtol=1e-4)
+    assert torch.equal(embeddings[0], embeddings[2])
+    torch.testing.assert_close(embeddings.norm(dim=-1), torch.ones(5))
+
+
+# --- MMEB ------------------------------------------------------------------------------------------------------------
+
+
+def colour_task(num_queries=6):
+    """Text queries naming a colour against the 4 colour captions, the positive first (MMEB's format)."""
+    rows = []
+    for index in range(num_queries):
+        order = [COLOURS[(index + shift) % 4] for shift in range(4)]
+        rows.append({"qry_text": f"Find the caption: {order[0]}", "qry_img_path": "",
+                     "tgt_text": [f"a {colour} thing" for colour in order], "tgt_img_path": [""] * 4})  # fmt: skip
+    return Dataset.from_list(rows)
+
+
+def test_mmeb_protocol_scores_hit_at_1_per_task_and_category(processor, tmp_path):
+    colour_task().to_json(tmp_path / "ImageNet-1K.jsonl")
+    # The same queries with the candidates rotated: the positive (first) is now always the wrong colour.
+    wrong = colour_task().map(lambda row: {"tgt_text": row["tgt_text"][1:] + row["tgt_text"][:1]})
+    wrong.to_json(tmp_path / "MSCOCO_t2i.jsonl")
+    results = evaluate_mmeb(ColourWords(processor), processor, tmp_path, progress=False)
+    scores = {row["task"]: (row["category"], row["score"], row["queries"]) for row in results["tasks"]}
+    assert scores == {"ImageNet-1K": ("image CLS", 1.0, 6), "MSCOCO_t2i": ("image RET", 0.0, 6)}
+    assert {row["category"]: row["score"] for row in results["categories"]} == {"image CLS": 1.0, "image RET": 0.0}
+    assert results["overall"] == 0.5
+    collapsed = evaluate_mmeb(ColourWords(processor, collapsed=True), processor, tmp_path, progress=False)
+    assert collapsed["overall"] == 0.0  # all candidates tie: the positive never ranks first
+    limited = evaluate_mmeb(ColourWords(processor), processor, tmp_path, tasks=["ImageNet-1K"], limit=2,
+                            progress=False)  # fmt: skip
+    assert [(row["task"], row["queries"]) for row in limited["tasks"]] == [("ImageNet-1K", 2)]
+    with pytest.raises(ValueError, match="has no task Missing"):
+        evaluate_mmeb(ColourWords(processor), processor, tmp_path, tasks=["Missing"])
+
+
+def test_mmeb_images_and_bad_tables(tiny, processor, tmp_path):
+    data = ShapeRetrieval()
+    generator = torch.Generator().manual_seed(0)
+    for direction in ("image_to_text", "text_to_image"):
+        data.mmeb_eval_task(direction, 3, 4, generator, tmp_path / "images").to_json(tmp_path / f"{direction}.jsonl")
+    model = MoEmbForEmbedding.from_pretrained(tiny)
+    results = evaluate_mmeb(model, processor, tmp_path, progress=False)
+    assert [row["category"] for row in results["tasks"]] == ["image RET", "image RET"]
+    assert all(0.0 <= row["score"] <= 1.0 and row["queries"] == 3 for row in results["tasks"])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    Dataset.from_list([{"qry_text": "a", "tgt_text": ["b", "c"]}]).to_json(bad / "Task.jsonl")
+    with pytest.raises(ValueError, match="missing qry_img_path, tgt_img_path"):
+        evaluate_mmeb(model, processor, bad)
+
+
+# --- MRMR ------------------------------------------------------------------------------------------------------------
+
+
+def write_colour_mrmr(folder, negation: bool = False):
+    """Queries naming colours against one document per colour (graded: 2 for the exact one, 1 for a second one)."""
+    folder.mkdir(parents=True)
+    corpus = [{"id": f"d{i}", "text": f"a text about {colour}"} for i, colour in enumerate(COLOURS)]
+    queries = [{"id": f"q{i}", "text": f"which is {colour}?", "category": "Negation" if negation else colour}
+               for i, colour in enumerate(COLOURS)]  # fmt: skip
+    qrels = [{"query_id": f"q{i}", "corpus_id": f"d{i}", "score": 2} for i in range(4)]
+    qrels += [{"query_id": f"q{i}", "corpus_id": f"d{(i + 1) % 4}", "score": 1} for i in range(4)]
+    qrels += [{"query_id": "q0", "corpus_id": "d2", "score": 0}]  # judged, not relevant
+    for name, rows in (("query", queries), ("corpus", corpus), ("qrels", qrels)):
+        Dataset.from_list(rows).to_json(folder / f"{name}.jsonl")
+
+
+def test_mrmr_protocol_ndcg_per_subtask_and_hit_at_1_for_negation(processor, tmp_path):
+    write_colour_mrmr(tmp_path / "knowledge")
+    write_colour_mrmr(tmp_path / "contradiction", negation=True)
+    results = evaluate_mrmr(ColourWords(processor), processor, tmp_path, progress=False)
+    # The exact document ranks first; the second relevant one ties with the others and so ranks last of 4.
+    ndcg = (2 + 1 / math.log2(5)) / (2 + 1 / math.log2(3))
+    tasks = {row["task"]: row for row in results["tasks"]}
+    assert tasks["knowledge"]["metric"] == "ndcg@10"
+    assert tasks["knowledge"]["score"] == pytest.approx(ndcg)
+    subtasks = {(row["task"], row["category"]): (row["metric"], row["score"]) for row in results["categories"]}
+    assert subtasks[("contradiction", "Negation")] == ("hit@1", 1.0)
+    assert subtasks[("knowledge", "red")] == ("ndcg@10", pytest.approx(ndcg))
+    assert len(subtasks) == 5
+    assert results["overall"] == pytest.approx((4 * ndcg + 1.0) / 5)
+    only = evaluate_mrmr(ColourWords(processor), processor, tmp_path / "knowledge", progress=False)
+    assert [row["task"] for row in only["tasks"]] == ["knowledge"]
+
+
+def test_mrmr_inputs_place_images_at_their_markers(tmp_path):
+    first, second = object(), object()
+    item = mrmr_input({"text": "compare <image 2> with <image 1>", "image 1": first, "image 2": second,
+                       "image 3": None}, None)  # fmt: skip
+    assert item == {"text": f"compare {IMAGE_TOKEN} with {IMAGE_TOKEN}", "images": [second, first]}
+    document = mrmr_input({"text": "", "image": "doc.png"}, tmp_path)
+    assert document == {"text": None, "images": [str(tmp_path / "doc.png")]}
+
+
+def test_mrmr_with_images_and_broken_qrels(tiny, processor, tmp_path):
+    ShapeRetrieval().write_mrmr_task(tmp_path / "shapes", 4, torch.Generator().manual_seed(0))
+    model = MoEmbForEmbedding.from_pretrained(tiny)
+    results = evaluate_mrmr(model, processor, tmp_path, progress=False)
+    assert results["tasks"][0]["queries"] == 4 and 0.0 < results["tasks"][0]["score"] <= 1.0
+    with (tmp_path / "shapes" / "qrels.jsonl").open("a") as qrels:
+        qrels.write(json.dumps({"query_id": "q0", "corpus_id": "missing", "score": 1}) + "\n")
+    with pytest.raises(ValueError, match="absent from the corpus"):
+        evaluate_mrmr(model, processor, tmp_path, progress=False)
+
+
+# --- the command -----------------------------------------------------------------------------------------------------
+
+
+def test_eval_command(tiny, tmp_path, capsys):
+    colour_task().to_json(tmp_path / "ImageNet-1K.jsonl")
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    assert run_eval(parser.parse_args(["--model", str(tiny), "--benchmark", "mmeb", "--data", str(tmp_path),
+                                       "--json", "--batch-size", "3"])) == 0  # fmt: skip
+    results = json.loads(capsys.readouterr().out)
+    assert results["benchmark"] == "mmeb" and results["tasks"][0]["task"] == "ImageNet-1K"
+    write_colour_mrmr(tmp_path / "mrmr" / "knowledge")
+    assert run_eval(parser.parse_args(["--model", str(tiny), "--benchmark", "mrmr", "--data",
+                                       str(tmp_path / "mrmr")])) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "MRMR per subtask" in printed and "MRMR overall (mean over subtasks)" in printed
