@@ -20,12 +20,15 @@ from transformers import (
 from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrTextMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from conftest import run_moezoo
 from moezoo.configuration.mote import TINY_GLM_OCR, TINY_LLAMA, TINY_SIGLIP_VISION
 from moezoo.conversion import mote_glm_ocr, mote_llama
 from moezoo.conversion.mote_common import GLM_FFN, LLAMA_FFN, build_experts, parse_experts, split_groups
 from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote, synthetic_video_inputs
+from moezoo.hub.folders import read_provenance
 from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration, LlamaMoteForCausalLM
+from moezoo.registry import architectures_named
 
 
 COIN = ["step", "next", "proc", "task", "proc_plus"]
@@ -338,3 +341,21 @@ def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     text_config = result.model.config.text_config
     assert text_config.mote_layers == [1]
     assert "model.language_model.layers.0.mlp.gate_proj.weight" in result.model.state_dict()
+
+
+def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_source, siglip_source, tmp_path):
+    _, folder = llama_source
+    _, vision_folder = siglip_source
+    text = run_moezoo("convert", "--to", "mote", "--from", folder, "--out", tmp_path / "text", "--experts", "a,b")
+    assert text.returncode == 0, text.stderr
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "llama_mote"
+    assert read_provenance(tmp_path / "text")["converter"] == "mote-llama-text"
+    video = run_moezoo("convert", "--to", "mote", "--from", folder, "--vision", vision_folder,
+                       "--out", tmp_path / "video", "--experts", "a,b")
+    assert video.returncode == 0, video.stderr
+    assert json.loads((tmp_path / "video" / "config.json").read_text())["model_type"] == "videollm_mote"
+    wrong = run_moezoo("convert", "--to", "videollm_mote", "--from", folder, "--out", tmp_path / "wrong")
+    assert wrong.returncode != 0 and "produced a llama_mote model" in " ".join(wrong.stderr.split())
+    assert not (tmp_path / "wrong").exists()
+    with pytest.raises(KeyError, match="and the families mote"):
+        architectures_named("motes")

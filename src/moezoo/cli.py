@@ -147,10 +147,11 @@ def _add_convert(commands) -> None:
         moezoo convert --list
         moezoo convert --to moe_vie --from facebook/MoEViE-B16-224 --out moe-vie-b16
         moezoo convert --to moe_vie --from ./siglip2-base --out upcycled --num-experts 32 --top-k 3
+        moezoo convert --to mote --from zai-org/GLM-OCR --out glm-ocr-mote --experts ocr,kie:"read receipts"
         """,
     )
     parser.add_argument("--list", action="store_true", help="show the converters and what they take")
-    parser.add_argument("--to", dest="architecture", help="the architecture to convert into")
+    parser.add_argument("--to", dest="architecture", help="the architecture (or family: mote) to convert into")
     parser.add_argument("--from", dest="source", help="a local folder or file, or a Hub repo id")
     parser.add_argument("--out")
     parser.add_argument("--variant", help="the design to convert into, for architectures that have several")
@@ -162,7 +163,7 @@ def _run_convert(args) -> int:
     from pathlib import Path
 
     from .conversion.common import find_converter, local_source, save_conversion, source_kind
-    from .registry import CONVERTERS, get_architecture, resolve
+    from .registry import CONVERTERS, architectures_named, resolve
     from .terminal import console, print_table
 
     if args.list:
@@ -177,9 +178,10 @@ def _run_convert(args) -> int:
                if not value]
     if missing:
         raise ValueError(f"convert needs {', '.join(missing)} (or --list)")
-    get_architecture(args.architecture)
+    targets = [architecture.name for architecture in architectures_named(args.architecture)]
     source = local_source(args.source)
-    converter = find_converter(args.architecture, source_kind(source), args.variant)
+    kind = source_kind(source)
+    converter = find_converter(args.architecture, kind, args.variant)
     options_parser = argparse.ArgumentParser(prog=f"moezoo convert --to {args.architecture} ({converter.name})")
     if converter.add_arguments:
         resolve(converter.add_arguments)(options_parser)
@@ -188,15 +190,18 @@ def _run_convert(args) -> int:
         options["variant"] = args.variant
     with console.status(f"converting {args.source} with {converter.name}"):
         result = resolve(converter.function)(source, **options)
-    if result.model.config.model_type != args.architecture:
+    produced = result.model.config.model_type
+    if produced not in targets:
         raise ValueError(
-            f"{converter.name} produced a {result.model.config.model_type} model from these options, not "
+            f"{converter.name} produced a {produced} model from these options, not "
             f"{args.architecture}; see `moezoo convert --to {args.architecture} --from ... --help`"
         )
+    # A family target (`--to mote`) records the member's own converter, the one `--to <member>` would name.
+    converter = find_converter(produced, kind, args.variant)
     out = save_conversion(result, converter, Path(args.out), overwrite=args.overwrite)
     provenance = result.provenance
     print_table(
-        f"converted into {args.architecture}",
+        f"converted into {produced}",
         ["source", "converter", "max |Δ| vs source", "output"],
         [[str(args.source), converter.name, provenance.get("max_abs_diff"), str(out)]],
     )

@@ -42,6 +42,9 @@ class Architecture:
     # The submodules the paper's parameter counts cover, if not the whole model (MoE-ViE counts its vision tower
     # with its projection).
     paper_counted_modules: tuple[str, ...] = ()
+    # The paper's name when one paper yields several architectures (MoTE: videollm_mote, glm_ocr_mote, llama_mote):
+    # `moezoo convert --to FAMILY` then picks the member from the source.
+    family: str | None = None
 
     def model_class(self, auto_class: str | None = None):
         """The class serving `auto_class` (default: the primary model class)."""
@@ -123,6 +126,20 @@ def get_architecture(name: str) -> Architecture:
         known = ", ".join(sorted(ARCHITECTURES)) or "none registered"
         raise KeyError(f"unknown architecture {name!r}; moezoo knows: {known}")
     return ARCHITECTURES[name]
+
+
+def architectures_named(name: str) -> list[Architecture]:
+    """The architecture `name`, or every member of the family `name` (e.g. `mote`)."""
+    if name in ARCHITECTURES:
+        return [ARCHITECTURES[name]]
+    members = [architecture for architecture in ARCHITECTURES.values() if architecture.family == name]
+    if not members:
+        families = sorted({a.family for a in ARCHITECTURES.values() if a.family})
+        raise KeyError(
+            f"unknown architecture {name!r}; moezoo knows: {', '.join(sorted(ARCHITECTURES)) or 'none registered'}"
+            + (f" (and the families {', '.join(families)})" if families else "")
+        )
+    return members
 
 
 def get_preset(name: str) -> Preset:

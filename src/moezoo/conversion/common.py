@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
-from ..registry import CONVERTERS, Converter
+from ..registry import CONVERTERS, Converter, architectures_named
 
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -62,7 +62,9 @@ def source_kind(path: Path) -> str:
 
 
 def find_converter(architecture: str, kind: str, variant: str | None = None) -> Converter:
-    candidates = [c for c in CONVERTERS.values() if c.architecture == architecture]
+    """The converter into `architecture` (or into a member of that family) that takes a source of type `kind`."""
+    targets = {member.name for member in architectures_named(architecture)}
+    candidates = [c for c in CONVERTERS.values() if c.architecture in targets]
     if not candidates:
         raise KeyError(f"no converter produces {architecture!r}")
     matching = [c for c in candidates if kind in c.sources and (variant is None or variant in c.variants)]

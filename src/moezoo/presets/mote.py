@@ -19,6 +19,7 @@ ARCHITECTURES = [
     Architecture(
         name="videollm_mote",
         title="VideoLLM-MoTE",
+        family="mote",
         config="moezoo.configuration.mote:VideoLlmMoteConfig",
         models={
             "AutoModelForImageTextToText": f"{MODELING}:VideoLlmMoteForConditionalGeneration",
@@ -37,6 +38,7 @@ ARCHITECTURES = [
     Architecture(
         name="glm_ocr_mote",
         title="GLM-OCR-MoTE",
+        family="mote",
         config="moezoo.configuration.mote:GlmOcrMoteConfig",
         models={
             "AutoModelForImageTextToText": f"{MODELING}:GlmOcrMoteForConditionalGeneration",
@@ -53,6 +55,7 @@ ARCHITECTURES = [
     Architecture(
         name="llama_mote",
         title="Llama-MoTE",
+        family="mote",
         config="moezoo.configuration.mote:LlamaMoteConfig",
         models={
             "AutoModelForCausalLM": f"{MODELING}:LlamaMoteForCausalLM",
