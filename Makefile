@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[train,kernels,test]"
 	touch $(STAMP)
 
+# One worker per core; a file's tests stay on one worker so its module fixtures are built once.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow"
 
 demo: setup
 	$(VENV)/bin/moezoo demo

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 
 TESTS = Path(__file__).resolve().parent
@@ -14,6 +15,12 @@ TESTS = Path(__file__).resolve().parent
 TOY_ENV = {"MOEZOO_EXTRA_PRESETS": "toy_arch.presets", "PYTHONPATH": str(TESTS)}
 # First lines of a child process in which neither moezoo nor the toy package can be imported.
 WITHOUT_MOEZOO = "import sys\nsys.modules['moezoo'] = None\nsys.modules['toy_arch'] = None\n"
+
+# `make test` runs one pytest-xdist worker per core: each worker, and every process it starts, computes on one thread
+# so the workers do not fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def run_python(code: str, env: dict | None = None, cwd=None, timeout: int = 300,
