@@ -401,6 +401,23 @@ def test_joint_training_with_lora_trains_attention_adapters_experts_and_projecto
     assert summary["lora_r"] == 4
 
 
+def test_train_mote_takes_live_streams_beside_offline_examples(videollm_folder, procedure_videos, tmp_path):
+    offline = list(procedure_videos.dataset({"step": 4}, torch.Generator().manual_seed(0)))
+    streams = [
+        {"task": "step", "prompt": "narrate", "frames": example["frames"], "answer": None,
+         "responses": [{"frame": 0, "text": example["answer"]}]}
+        for example in offline
+    ]  # fmt: skip
+    data = Dataset.from_list([example | {"responses": None} for example in offline] + streams)
+    options = MoteTrainingOptions(steps=2, batch_size=8, learning_rate=1e-2, logging_steps=1)
+    summary = train_mote(videollm_folder, data, tmp_path / "out", options)
+    assert summary["examples_per_task"] == {"step": 8}
+    base = VideoLlmMoteForConditionalGeneration.from_pretrained(videollm_folder).state_dict()
+    trained = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    assert not torch.equal(trained["model.multi_modal_projector.linear_1.weight"],
+                           base["model.multi_modal_projector.linear_1.weight"])  # fmt: skip
+
+
 def test_train_mote_rejects_data_without_the_tasks_it_needs(videollm_folder, procedure_videos, tmp_path):
     data = procedure_videos.dataset({"step": 4}, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"no example of the tasks \['proc'\]"):

@@ -34,6 +34,9 @@ from transformers.processing_utils import ImagesKwargs, ProcessorMixin, Unpack
 from .video import make_list_of_videos
 
 
+IGNORE_INDEX = -100  # labels of unsupervised positions
+
+
 # --- task prompts (paper appendix A.5, identical to VideoLLM-online's COIN benchmark strings) ------------------------
 
 VIDEOLLM_SYSTEM_PROMPT = (
@@ -483,7 +486,8 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
     `video_token` per video, in order (a `stream` message of the chat template renders one, inside `[` `]`); it is
     expanded to the video's frames, `frame_num_tokens` placeholders per frame separated by `frame_interval_token`, so
     F frames cost `10F + (F - 1)` tokens (spec §2.7). Texts are rendered prompts, beginning-of-text included, so the
-    tokenizer adds no special tokens of its own.
+    tokenizer adds no special tokens of its own. [`encode_stream`] builds a live-stream training example instead
+    (answers interleaved with the frames, silence targets; spec §6.1).
 
     Args:
         image_processor ([`VideoLlmMoteFrameProcessor`]):
@@ -506,6 +510,8 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
     """
 
     answer_prefix = " "  # "\nAssistant:" ends the prompt; answers follow after a space (A.5)
+    response_header = "]\nAssistant:"  # closes the stream before an answer in a live stream
+    stream_reopening = "\n["  # and reopens it after the answer
 
     def __init__(
         self,
@@ -590,6 +596,81 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
             )
             for text in texts
         ]
+
+    def encode_stream(
+        self,
+        video,
+        responses: dict[int, str],
+        prompt: str,
+        task=None,
+        silence_token: str = "eos",
+        video_fps: float | None = None,
+        timestamps: list[float] | None = None,
+        system_prompt: str | None = None,
+        return_tensors=None,
+        **frame_options,
+    ) -> BatchFeature:
+        """
+        One streaming training example (spec §6.1, §3.1; the Ego4D narration task of VideoLLM-online): the system
+        and user prompts, then the video as a live stream in which the assistant answers `responses[k]` right after
+        frame `k`: `\\n[` frames `]\\nAssistant: <response><|eot_id|>\\n[` more frames ... `]`. Frame `k` is the
+        `k`-th frame the frame processor keeps (at `fps`, so at `k / fps` s into the video when nothing is capped).
+
+        `labels` supervise each response together with its `]\\nAssistant:` header and end-of-turn token (without a
+        target at response frames the model could never learn to speak), and put the silence token after the last
+        placeholder of every frame without a response: `silence_token="eos"` (the paper) or `"interval"` (the `,` of
+        VideoLLM-online live1+), the model's `stream_silence_token`. Everything else is -100. The user prompt comes
+        first; VideoLLM-online's Ego4D data may open with a stream chunk, which changes nothing the model learns.
+
+        Returns `input_ids`, `attention_mask` and `labels` (each of one row), `pixel_values_videos`,
+        `video_num_frames` and, given a `task`, `task_ids`.
+        """
+        frames = self.image_processor(
+            [video], video_fps=video_fps, timestamps=None if timestamps is None else [timestamps], **frame_options
+        )
+        num_frames = int(frames["video_num_frames"][0])
+        outside = sorted(k for k in responses if not 0 <= k < num_frames)
+        if outside:
+            raise ValueError(
+                f"Responses follow frames {outside}, but the stream has {num_frames} frames (0 to {num_frames - 1}): "
+                "key responses by the index of the frame they follow in the sampled stream."
+            )
+        silence_id = self.silence_token_id(silence_token)
+        system = self.system_prompt if system_prompt is None else system_prompt
+        prefix = self.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
+        input_ids = self.text_ids(prefix + "\n[")
+        labels = [IGNORE_INDEX] * len(input_ids)
+        for k in range(num_frames):
+            if k > 0 and k - 1 not in responses:
+                input_ids.append(self.frame_interval_token_id)
+                labels.append(silence_id)  # what frame k - 1 predicts: the target sits on the token after it
+            input_ids += [self.video_token_id] * self.frame_num_tokens
+            labels += [IGNORE_INDEX] * self.frame_num_tokens
+            if k in responses:
+                response = self.text_ids(self.response_header) + self.answer_ids([responses[k]])[0]
+                input_ids += response
+                labels += response
+                if k < num_frames - 1:
+                    reopen = self.text_ids(self.stream_reopening)
+                    input_ids += reopen
+                    labels += [IGNORE_INDEX] * len(reopen)
+        if num_frames - 1 not in responses:
+            closing = self.text_ids("]")
+            input_ids += closing
+            labels += [silence_id] + [IGNORE_INDEX] * (len(closing) - 1)
+        data = {"input_ids": [input_ids], "attention_mask": [[1] * len(input_ids)], "labels": [labels], **frames}
+        inputs = BatchFeature(data=data, tensor_type=return_tensors)
+        return add_task_ids(inputs, self.route_ids(task, None, [prompt]), return_tensors)
+
+    def silence_token_id(self, silence_token: str) -> int:
+        """The id a silent frame predicts: `"eos"` -> the end-of-turn token, `"interval"` -> the frame separator."""
+        ids = {"eos": self.tokenizer.eos_token_id, "interval": self.frame_interval_token_id}
+        if silence_token not in ids:
+            raise ValueError(f"silence_token={silence_token!r} is not one of {sorted(ids)}")
+        return ids[silence_token]
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def render_prompt(self, prompt: str, system_prompt: str | None = None) -> str:
         """The COIN layout of A.5: system prompt, user prompt, the video stream, then the generation prompt."""

@@ -40,7 +40,7 @@ from .. import __version__
 from ..hub.export import read_model_type
 from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
-from ..processors.mote import GlmOcrMoteProcessor, VideoLlmMoteProcessor
+from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
 from .callbacks import use_rich_progress
 from .data import TABLE_FORMATS
@@ -58,7 +58,6 @@ VISION_MODULES = ("model.vision_tower", "model.visual")
 ATTENTION_LORA_TARGETS = r"model\.(language_model\.)?layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
 # What joint training trains besides LoRA (spec §7.1): the experts, the shared experts and the projector.
 JOINT_TRAINABLE = ("mlp.experts.", "mlp.shared_expert.", "multi_modal_projector.")
-IGNORE_INDEX = -100
 
 
 # --- the bucketed rank-aligned sampler (spec §7.3, paper A.3) -------------------------------------------------------
@@ -179,9 +178,14 @@ class MoteCollator:
     Examples `{"task", "prompt", "answer"}` plus `"frames"` (VideoLLM-MoTE) or `"image"` (GLM-OCR-MoTE) -> a training
     batch: the rendered prompt with its media, then the answer and the end-of-turn token, which alone are supervised
     (`labels` is -100 elsewhere); `task_ids` from the task names. Sequences are padded on the right.
+
+    A VideoLLM-MoTE example with `"responses"` (`[{"frame": k, "text": ...}, ...]`) instead of an answer is a live
+    stream (Ego4D narration): the responses follow their frames and silent frames learn `silence_token` (see
+    `VideoLlmMoteProcessor.encode_stream`).
     """
 
     processor: VideoLlmMoteProcessor | GlmOcrMoteProcessor
+    silence_token: str = "eos"  # the model's `stream_silence_token`
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         encoded = [self.encode(example) for example in examples]
@@ -200,6 +204,8 @@ class MoteCollator:
 
     def encode(self, example: dict) -> dict:
         """One example's token lists (prompt + answer) and media arrays."""
+        if example.get("responses") is not None:
+            return self.encode_stream(example)
         text = [self.processor.render_prompt(example["prompt"])]
         if "frames" in example:
             media = {"videos": [example["frames"]], "video_fps": example.get("video_fps")}
@@ -217,6 +223,18 @@ class MoteCollator:
         if "mm_token_type_ids" in features:
             features["mm_token_type_ids"] = features["mm_token_type_ids"][0].tolist() + [0] * len(answer)
         return features
+
+
+    def encode_stream(self, example: dict) -> dict:
+        if not isinstance(self.processor, VideoLlmMoteProcessor) or "frames" not in example:
+            raise ValueError("An example with `responses` is a live video stream: it needs `frames` and VideoLLM-MoTE.")
+        responses = {int(response["frame"]): response["text"] for response in example["responses"]}
+        inputs = self.processor.encode_stream(
+            example["frames"], responses, example["prompt"], task=example["task"], silence_token=self.silence_token,
+            video_fps=example.get("video_fps"), return_tensors="np",
+        )  # fmt: skip
+        token_lists = ("input_ids", "attention_mask", "labels")
+        return {key: value[0].tolist() if key in token_lists else value for key, value in inputs.items()}
 
 
 @dataclass
@@ -360,9 +378,9 @@ def load_mote_model(model_dir: str | Path):
 
 def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str] = ()) -> datasets.Dataset:
     """
-    Examples with `task`, `prompt`, `answer` and `frames` (a list of images or image paths) or `image`, of `tasks`
-    only if given: a `datasets.Dataset`, or a JSON / JSON Lines / CSV / Parquet file whose media paths are relative
-    to the file.
+    Examples with `task`, `prompt`, `answer` (or `responses`, for live streams; see `MoteCollator`) and `frames`
+    (a list of images or image paths) or `image`, of `tasks` only if given: a `datasets.Dataset`, or a JSON / JSON
+    Lines / CSV / Parquet file whose media paths are relative to the file.
     """
     if isinstance(source, datasets.Dataset):
         dataset, base = source, None
@@ -372,11 +390,11 @@ def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str
             raise ValueError(f"{path}: expected a {', '.join(TABLE_FORMATS)} file or a datasets.Dataset")
         dataset = datasets.load_dataset(TABLE_FORMATS[path.suffix], data_files=str(path), split="train")
         base = path.parent
-    missing = [column for column in ("task", "prompt", "answer") if column not in dataset.column_names]
-    if missing or not {"frames", "image"} & set(dataset.column_names):
+    columns = set(dataset.column_names)
+    if not {"task", "prompt"} <= columns or not {"answer", "responses"} & columns or not {"frames", "image"} & columns:
         raise ValueError(
-            f"The data set needs columns task, prompt, answer and frames (videos) or image; it has "
-            f"{dataset.column_names}."
+            f"The data set needs columns task, prompt, answer (or responses, for streams) and frames (videos) or "
+            f"image; it has {dataset.column_names}."
         )
     if tasks:
         dataset = dataset.filter(lambda task: task in tasks, input_columns="task")
@@ -455,7 +473,11 @@ def train_mote(
         )
         curves = TrainingCurves()
         trainer = MoteTrainer(
-            model=trained, args=args, train_dataset=dataset, data_collator=MoteCollator(processor), callbacks=[curves]
+            model=trained,
+            args=args,
+            train_dataset=dataset,
+            data_collator=MoteCollator(processor, getattr(model.config, "stream_silence_token", "eos")),
+            callbacks=[curves],
         )
         use_rich_progress(trainer)
         result = trainer.train()
@@ -493,7 +515,8 @@ def train_mote(
 def add_train_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="a VideoLLM-MoTE or GLM-OCR-MoTE folder (convert / train)")
     parser.add_argument("--data", required=True,
-                        help="JSON / JSON Lines / CSV / Parquet with task, prompt, answer and frames or image")
+                        help="JSON / JSON Lines / CSV / Parquet with task, prompt, answer (or responses) and frames or "
+                             "image")
     parser.add_argument("--out", required=True)
     defaults = MoteTrainingOptions()
     parser.add_argument("--steps", type=int, default=defaults.steps)
