@@ -49,6 +49,7 @@ from moezoo.training.mote import (
     MoteTrainingOptions,
     TaskIdsCollator,
     add_train_arguments,
+    load_dense_base,
     run_train,
     train_mote,
 )
@@ -416,6 +417,22 @@ def test_train_mote_takes_live_streams_beside_offline_examples(videollm_folder, 
     trained = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
     assert not torch.equal(trained["model.multi_modal_projector.linear_1.weight"],
                            base["model.multi_modal_projector.linear_1.weight"])  # fmt: skip
+
+
+def test_an_expert_added_from_dense_starts_as_the_base_models_ffn(videollm_folder, procedure_videos, tmp_path):
+    data = procedure_videos.dataset({"proc": 4}, torch.Generator().manual_seed(0))
+    options = MoteTrainingOptions(steps=1, batch_size=4, learning_rate=0.0, add_expert="proc", init_from="dense")
+    train_mote(videollm_folder, data, tmp_path / "added", options)  # the base: the model's mote_base_model
+    added = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "added").state_dict()
+    llama = LlamaForCausalLM.from_pretrained(videollm_folder.parent / "llama").state_dict()
+    for layer in range(TINY_LLAMA["num_hidden_layers"]):
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(added[f"model.language_model.layers.{layer}.mlp.experts.proc.{projection}.weight"],
+                               llama[f"model.layers.{layer}.mlp.{projection}.weight"])  # fmt: skip
+    model = VideoLlmMoteForConditionalGeneration.from_pretrained(videollm_folder)
+    model.config.text_config.mote_base_model = None
+    with pytest.raises(ValueError, match="records none .mote_base_model.: give its folder or Hub id"):
+        load_dense_base(model)
 
 
 def test_train_mote_rejects_data_without_the_tasks_it_needs(videollm_folder, procedure_videos, tmp_path):

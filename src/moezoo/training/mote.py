@@ -34,7 +34,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from PIL import Image
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from .. import __version__
 from ..hub.export import read_model_type
@@ -47,6 +53,8 @@ from .data import TABLE_FORMATS
 from .plots import plot_training_curves
 
 
+# What their dense base models load as, for experts initialised from the dense FFNs.
+DENSE_BASE_CLASSES = {"videollm_mote": AutoModelForCausalLM, "glm_ocr_mote": AutoModelForImageTextToText}
 # The architectures `moezoo train mote` trains: model_type -> (model class, processor class).
 TRAINABLE = {
     "videollm_mote": (VideoLlmMoteForConditionalGeneration, VideoLlmMoteProcessor),
@@ -346,8 +354,9 @@ class MoteTrainingOptions:
     tasks: tuple[str, ...] = ()  # train on these tasks only (default: every task of the data)
     add_expert: str | None = None  # expert addition: the new expert's name ...
     # ... what it starts as: an expert's name, "shared" (after joint training; a fresh conversion's shared expert
-    # outputs zero) or "dense" (needs the base model, `train_mote(dense_source=...)`)
+    # outputs zero) or "dense" (the FFNs of the dense base model)
     init_from: str = "shared"
+    base_model: str | None = None  # ... with "dense": that model's folder or Hub id (default: `mote_base_model`)
     description: str | None = None  # ... and its description for the route selector
     seed: int = 0
     logging_steps: int = 10
@@ -374,6 +383,18 @@ def load_mote_model(model_dir: str | Path):
         )
     model_class, processor_class = TRAINABLE[model_type]
     return model_class.from_pretrained(model_dir), processor_class.from_pretrained(model_dir)
+
+
+def load_dense_base(model, path: str | Path | None = None):
+    """The dense model a MoTE model was converted from (`path`, default its `mote_base_model`), for new experts
+    initialised from the dense FFNs (spec §3.3)."""
+    path = path or model.config.get_text_config().mote_base_model
+    if path is None:
+        raise ValueError(
+            "init_from='dense' copies the FFNs of the dense base model, and this model records none "
+            "(mote_base_model): give its folder or Hub id (`--base-model`)"
+        )
+    return DENSE_BASE_CLASSES[model.config.model_type].from_pretrained(path)
 
 
 def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str] = ()) -> datasets.Dataset:
@@ -433,10 +454,13 @@ def train_mote(
     curves (overall and per route) and a provenance record to `out`. Joint training by default; with
     `options.add_expert`, expert addition on that task's examples only. Returns the training summary.
 
-    `dense_source` is the loaded dense base model, for `init_from="dense"`.
+    `dense_source` is the loaded dense base model, for `init_from="dense"` (default: loaded from
+    `options.base_model` or the model's `mote_base_model`).
     """
     options = options or MoteTrainingOptions()
     model, processor = load_mote_model(model_dir)
+    if options.add_expert and options.init_from == "dense" and dense_source is None:
+        dense_source = load_dense_base(model, options.base_model)
     # Expert addition trains on the new task's examples only (spec §3.3).
     dataset = load_mote_dataset(data, (options.add_expert,) if options.add_expert else options.tasks)
     text_config = model.config.get_text_config()
@@ -533,8 +557,11 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--add-expert", default=None, metavar="NAME",
                         help="expert addition: add expert NAME and train only it, on the data's NAME examples")
     parser.add_argument("--init-from", default=defaults.init_from,
-                        help="with --add-expert: an existing expert's name, or 'shared' (default; the trained shared "
-                             "expert)")
+                        help="with --add-expert: an existing expert's name, 'shared' (default; the trained shared "
+                             "expert) or 'dense' (the base model's FFNs)")
+    parser.add_argument("--base-model", default=None,
+                        help="with --init-from dense: the dense model's folder or Hub id (default: the one the model "
+                             "was converted from)")
     parser.add_argument("--description", default=None, help="with --add-expert: its description for route selection")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
@@ -546,7 +573,8 @@ def run_train(args) -> int:
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r, tasks=tuple(args.tasks),
-        add_expert=args.add_expert, init_from=args.init_from, description=args.description, seed=args.seed,
+        add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
+        seed=args.seed,
         logging_steps=args.logging_steps,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)
