@@ -3,6 +3,7 @@ own classes, converted tensor by tensor, and checked tensor for tensor and route
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_in
 from moezoo.conversion.mote_llama import convert_llama_to_mote, synthetic_video_inputs
 from moezoo.hub.folders import read_provenance
 from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration, LlamaMoteForCausalLM
+from moezoo.processors.build_mote import build_tiny_glm_ocr_tokenizer
+from moezoo.processors.mote import GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from moezoo.registry import architectures_named
 
 
@@ -329,6 +332,14 @@ def test_cli_options_reach_the_glm_ocr_converter(glm_source):
         "ocr": "recognize and transcribe the text in the document", "kie": "read receipts"}
 
 
+def test_a_glm_ocr_source_with_a_tokenizer_gets_the_mote_processor(glm_source, tmp_path):
+    _, folder, _ = glm_source
+    shutil.copytree(folder, tmp_path / "glm")
+    build_tiny_glm_ocr_tokenizer(GlmOcrConfig(**TINY_GLM_OCR)).save_pretrained(tmp_path / "glm")
+    result = mote_glm_ocr.convert(tmp_path / "glm", experts={"ocr": None, "kie": None}, verify=False)
+    assert isinstance(result.processor, GlmOcrMoteProcessor) and result.processor.expert_names == ["ocr", "kie"]
+
+
 def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     _, folder = llama_source
     _, vision_folder = siglip_source
@@ -336,7 +347,9 @@ def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     mote_llama.add_arguments(parser)
     options = vars(parser.parse_args(["--vision", str(vision_folder), "--mote-layers", "1", "--no-verify"]))
     result = mote_llama.convert(folder, **options)
-    assert result.processor.convert_tokens_to_ids(",") == 121  # the Llama tokenizer, saved beside the model
+    assert isinstance(result.processor, VideoLlmMoteProcessor)  # around the Llama tokenizer, saved with the model
+    assert result.processor.frame_interval_token_id == 121 and result.processor.video_token_id == 120
+    assert result.processor.expert_names == COIN
     assert result.provenance["max_abs_diff"] is None and result.provenance["experts"] == COIN
     text_config = result.model.config.text_config
     assert text_config.mote_layers == [1]
@@ -354,6 +367,7 @@ def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_sourc
                        "--out", tmp_path / "video", "--experts", "a,b")
     assert video.returncode == 0, video.stderr
     assert json.loads((tmp_path / "video" / "config.json").read_text())["model_type"] == "videollm_mote"
+    assert VideoLlmMoteProcessor.from_pretrained(tmp_path / "video").expert_names == ["a", "b"]  # ready to train
     wrong = run_moezoo("convert", "--to", "videollm_mote", "--from", folder, "--out", tmp_path / "wrong")
     assert wrong.returncode != 0 and "produced a llama_mote model" in " ".join(wrong.stderr.split())
     assert not (tmp_path / "wrong").exists()

@@ -17,6 +17,7 @@ from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
 
 from ..configuration.mote import GlmOcrMoteConfig
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration
+from ..processors.build_mote import make_glm_ocr_mote_processor
 from .common import ConversionResult
 from .mote_common import (
     DTYPES,
@@ -189,7 +190,9 @@ def add_arguments(parser) -> None:
 
 
 def convert(source: Path, **options) -> ConversionResult:
-    """The converter behind the command: the model and GLM-OCR's tokenizer (with its chat template); the image
-    processor is the MoTE processor's (GlmOcrMoteProcessor), not built here."""
+    """The converter behind the command: the model and a `GlmOcrMoteProcessor` around GLM-OCR's tokenizer (and its
+    chat template); no processor when the source has no tokenizer."""
     model, report = convert_glm_ocr_to_mote(source, **options)
-    return ConversionResult(model, source_tokenizer(Path(source)), report)
+    tokenizer = source_tokenizer(Path(source))
+    processor = None if tokenizer is None else make_glm_ocr_mote_processor(model.config, tokenizer)
+    return ConversionResult(model, processor, report)

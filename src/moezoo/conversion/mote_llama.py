@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, Sigl
 
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
+from ..processors.build_mote import make_videollm_mote_processor
 from .common import ConversionResult
 from .mote_common import (
     DTYPES,
@@ -270,7 +271,10 @@ def add_arguments(parser) -> None:
 
 
 def convert(source: Path, **options) -> ConversionResult:
-    """The converter behind the command: the model and the Llama tokenizer (with its chat template); the video
-    processor is the MoTE processor's (VideoLlmMoteProcessor), not built here."""
+    """The converter behind the command: the model with the Llama tokenizer (and its chat template), inside a
+    `VideoLlmMoteProcessor` for VideoLLM-MoTE; nothing beside the model when the source has no tokenizer."""
     model, report = convert_llama_to_mote(source, **options)
-    return ConversionResult(model, source_tokenizer(Path(source)), report)
+    tokenizer = source_tokenizer(Path(source))
+    if tokenizer is not None and isinstance(model, VideoLlmMoteForConditionalGeneration):
+        return ConversionResult(model, make_videollm_mote_processor(model.config, tokenizer), report)
+    return ConversionResult(model, tokenizer, report)
