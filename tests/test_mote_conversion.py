@@ -354,6 +354,9 @@ def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     text_config = result.model.config.text_config
     assert text_config.mote_layers == [1]
     assert "model.language_model.layers.0.mlp.gate_proj.weight" in result.model.state_dict()
+    dense = mote_llama.convert(folder, **vars(parser.parse_args(["--dense"])))  # the text-only dense baseline
+    assert isinstance(dense.model, LlamaMoteForCausalLM) and dense.model.config.mote_expert_names == []
+    assert dense.provenance["max_abs_diff"] == 0.0
 
 
 def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_source, siglip_source, tmp_path):

@@ -435,6 +435,23 @@ def test_an_expert_added_from_dense_starts_as_the_base_models_ffn(videollm_folde
         load_dense_base(model)
 
 
+def test_the_dense_baseline_converts_exactly_and_trains_with_the_same_command(videollm_folder, procedure_videos,
+                                                                            tmp_path):
+    root = videollm_folder.parent
+    dense, report = convert_llama_to_mote(root / "llama", vision=root / "siglip", dense=True, video_token="<v>",
+                                          video_token_id=120, frame_token_interval_id=11)  # fmt: skip
+    assert report["max_abs_diff_by_route"] == {"dense": 0.0, "vision_tower": 0.0}
+    assert dense.config.text_config.mote_expert_names == [] and not any(".experts." in n for n in dense.state_dict())
+    dense.save_pretrained(tmp_path / "dense")
+    make_videollm_mote_processor(dense.config, words=procedure_videos.words).save_pretrained(tmp_path / "dense")
+    data = procedure_videos.dataset({"step": 4, "next": 4}, torch.Generator().manual_seed(0))
+    options = MoteTrainingOptions(steps=2, batch_size=4, learning_rate=1e-2, logging_steps=1)
+    train_mote(tmp_path / "dense", data, tmp_path / "trained", options)  # every task takes the one dense path
+    trained = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "trained").state_dict()
+    ffn = "model.language_model.layers.0.mlp.gate_proj.weight"
+    assert not torch.equal(trained[ffn], dense.state_dict()[ffn])
+
+
 def test_train_mote_rejects_data_without_the_tasks_it_needs(videollm_folder, procedure_videos, tmp_path):
     data = procedure_videos.dataset({"step": 4}, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"no example of the tasks \['proc'\]"):

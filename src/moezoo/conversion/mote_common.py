@@ -116,6 +116,11 @@ def build_experts(
     return tensors
 
 
+def dense_fields(base_model: str | None = None) -> dict:
+    """The `mote_*` config fields of the dense baseline: no task experts, so every layer keeps its FFN (spec §5.2)."""
+    return dict(mote_expert_names=[], mote_expert_descriptions={}, mote_num_shared_experts=0, mote_base_model=base_model)
+
+
 def mote_fields(
     experts: dict[str, str | None],
     construction: str,
@@ -358,8 +363,11 @@ def _listing(items: list[str], limit: int = 6) -> str:
 
 @torch.no_grad()
 def route_differences(model, reference_logits: torch.Tensor, inputs: dict) -> dict[str, float]:
-    """max |logits(route) - reference| for every route of `model` on `inputs` (route-homogeneous batches)."""
+    """max |logits(route) - reference| for every route of `model` on `inputs` (route-homogeneous batches); for the
+    dense baseline, of its one path."""
     names = model.mote_config.mote_expert_names
+    if not names:
+        return {"dense": float((model(**inputs).logits.float() - reference_logits.float()).abs().max())}
     batch_size = reference_logits.shape[0]
     differences = {}
     for route, name in enumerate(names):

@@ -29,6 +29,7 @@ from .mote_common import (
     StateWriter,
     add_common_arguments,
     as_experts,
+    dense_fields,
     mote_fields,
     plain_config_fields,
     read_config,
@@ -60,6 +61,7 @@ def convert_llama_to_mote(
     video_token: str = VIDEO_TOKEN,
     video_token_id: int | None = None,
     frame_token_interval_id: int | None = None,
+    dense: bool = False,
 ) -> tuple[LlamaMoteForCausalLM | VideoLlmMoteForConditionalGeneration, dict]:
     """Convert a Llama checkpoint folder (`model_type: llama`, safetensors) into `LlamaMoteForCausalLM`, or, with
     `vision`, a SigLIP checkpoint folder too, into `VideoLlmMoteForConditionalGeneration`.
@@ -71,15 +73,20 @@ def convert_llama_to_mote(
             VideoLLM-MoTE: frames through both vision towers, then the same projector) and report the differences.
         video_token / video_token_id / frame_token_interval_id: the `<v>` placeholder and the `,` between frames
             (VideoLLM-MoTE only); the ids default to the Llama tokenizer's.
+        dense: no task experts: every FFN stays as it is, the matched dense baseline (with `vision`, VideoLLM-online
+            1B-v1+ in this class); the expert options do not apply.
     """
     folder = Path(llm)
     dtype = DTYPES.get(dtype, dtype)
     experts = as_experts(experts)
     llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
-    text_fields = llm_fields | mote_fields(
-        experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
-        mote_layers, base_model=str(folder),
-    )
+    if dense:
+        text_fields = llm_fields | dense_fields(base_model=str(folder))
+    else:
+        text_fields = llm_fields | mote_fields(
+            experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
+            mote_layers, base_model=str(folder),
+        )
     vision_folder = None if vision is None else Path(vision)
     if vision_folder is None:
         config, model_class, prefix = LlamaMoteConfig(**text_fields), LlamaMoteForCausalLM, "model."
@@ -137,7 +144,7 @@ def convert_llama_to_mote(
         "source_model_type": "llama",
         "base_model": str(folder),
         "license": source_license(folder),
-        "construction": construction,
+        "construction": None if dense else construction,
         "mote_init": text_config.mote_init,
         "experts": text_config.mote_expert_names,
         "default_route": text_config.mote_default_route,
@@ -264,6 +271,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vision", default=None,
                         help="a FixRes SigLIP 2 folder (e.g. siglip2-large-patch16-384): converts into VideoLLM-MoTE; "
                              "without it, into the text-only LlamaMote")
+    parser.add_argument("--dense", action="store_true",
+                        help="the dense baseline in the same class: no task experts (--experts and the expert "
+                             "options do not apply)")
     parser.add_argument("--video-token", default=VIDEO_TOKEN, help="the reserved Llama-3 token used as <v>")
     parser.add_argument("--video-token-id", type=int, default=None, help="its id (default: the tokenizer's)")
     parser.add_argument("--frame-token-interval-id", type=int, default=None,

@@ -128,9 +128,10 @@ class MoteRoutingMixin:
     def route_ids(self, task, route_selector, texts: list[str]) -> list[int] | None:
         """
         One route id per text: from `task` (a name for the whole batch or one name per text), else from
-        `route_selector` applied to the user prompt of every text, else None (the model's default route).
+        `route_selector` applied to the user prompt of every text, else None (the model's default route). A
+        processor whose `expert_names` is empty serves a dense baseline: every task takes its one path (None).
         """
-        if task is None and route_selector is None:
+        if (task is None and route_selector is None) or self.expert_names == []:
             return None
         if task is None:
             selected = route_selector.select([self.user_prompt(text) for text in texts])

@@ -287,7 +287,8 @@ class MoteTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("MoteTrainer: training requires a train_dataset.")
         expert_names = self.accelerator.unwrap_model(self.model).config.get_text_config().mote_expert_names
-        routes = dataset_route_ids(self.train_dataset, expert_names)
+        # A dense baseline (no experts) has one path: one bucket.
+        routes = dataset_route_ids(self.train_dataset, expert_names) if expert_names else [0] * len(self.train_dataset)
         dataset, collator = self.train_dataset, self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
