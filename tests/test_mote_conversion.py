@@ -332,6 +332,52 @@ def test_cli_options_reach_the_glm_ocr_converter(glm_source):
         "ocr": "recognize and transcribe the text in the document", "kie": "read receipts"}
 
 
+def videollm_online_checkpoint(folder, vision_size, text_size, lora_rank=2, lora_alpha=4, seed=0):
+    """A checkpoint in VideoLLM-online's PEFT layout: the connector saved as a module to save, a LoRA on its first
+    layer and one on the LLM's attention."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {
+        "connector.0.weight": (text_size, vision_size), "connector.0.bias": (text_size,),
+        "connector.2.weight": (text_size, text_size), "connector.2.bias": (text_size,),
+        "connector.0.lora_A.weight": (lora_rank, vision_size), "connector.0.lora_B.weight": (text_size, lora_rank),
+        "model.layers.0.self_attn.q_proj.lora_A.weight": (lora_rank, text_size),
+    }  # fmt: skip
+    tensors = {f"base_model.model.{key}": torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    folder.mkdir()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"r": lora_rank, "lora_alpha": lora_alpha}))
+    return {key.removeprefix("base_model.model."): tensor for key, tensor in tensors.items()}
+
+
+def test_the_projector_can_be_videollm_onlines_connector_with_its_lora_merged(llama_source, siglip_source, tmp_path):
+    _, folder = llama_source
+    _, vision_folder = siglip_source
+    online = videollm_online_checkpoint(tmp_path / "online", TINY_SIGLIP_VISION["hidden_size"],
+                                        TINY_LLAMA["hidden_size"])  # fmt: skip
+    model, report = convert_llama_to_mote(folder, vision=vision_folder, projector_from=tmp_path / "online")
+    projector = model.model.multi_modal_projector
+    lora = online["connector.0.lora_B.weight"] @ online["connector.0.lora_A.weight"]
+    merged = online["connector.0.weight"] + 2.0 * lora  # lora_alpha / r = 4 / 2
+    torch.testing.assert_close(projector.linear_1.weight, merged, atol=1e-6, rtol=0)
+    assert torch.equal(projector.linear_1.bias, online["connector.0.bias"])
+    assert torch.equal(projector.linear_2.weight, online["connector.2.weight"])
+    assert report["projector_source"] == str(tmp_path / "online") and report["max_abs_diff"] == 0.0
+    dropped = report["key_accounting"]["dropped"]
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in dropped
+    assert "merged" in dropped["base_model.model.connector.0.lora_A.weight"]
+    assert not report["key_accounting"]["initialised"]
+
+    (tmp_path / "online" / "adapter_config.json").unlink()
+    with pytest.raises(ValueError, match="carries a LoRA, but there is no .*adapter_config.json"):
+        convert_llama_to_mote(folder, vision=vision_folder, projector_from=tmp_path / "online", verify=False)
+    save_file({"connector.0.weight": online["connector.0.weight"]}, tmp_path / "partial.safetensors")
+    with pytest.raises(ValueError, match="has no connector.0.bias, connector.2.weight, connector.2.bias"):
+        convert_llama_to_mote(folder, vision=vision_folder, projector_from=tmp_path / "partial.safetensors",
+                              verify=False)  # fmt: skip
+    with pytest.raises(ValueError, match="needs vision"):
+        convert_llama_to_mote(folder, projector_from=tmp_path / "online", verify=False)
+
+
 def test_a_glm_ocr_source_with_a_tokenizer_gets_the_mote_processor(glm_source, tmp_path):
     _, folder, _ = glm_source
     shutil.copytree(folder, tmp_path / "glm")

@@ -118,7 +118,9 @@ def build_experts(
 
 def dense_fields(base_model: str | None = None) -> dict:
     """The `mote_*` config fields of the dense baseline: no task experts, so every layer keeps its FFN (spec §5.2)."""
-    return dict(mote_expert_names=[], mote_expert_descriptions={}, mote_num_shared_experts=0, mote_base_model=base_model)
+    return dict(
+        mote_expert_names=[], mote_expert_descriptions={}, mote_num_shared_experts=0, mote_base_model=base_model
+    )
 
 
 def mote_fields(

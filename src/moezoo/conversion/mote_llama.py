@@ -7,15 +7,17 @@ every other Llama tensor is copied, under `model.language_model.` in VideoLLM-Mo
 With a vision checkpoint (a FixRes SigLIP 2 `SiglipModel` or `SiglipVisionModel`, `model_type` `siglip` /
 `siglip_vision_model`), `vision_model.*` becomes the frozen `model.vision_tower.*`; SigLIP's text tower and
 contrastive scale/bias are dropped. The two-layer projector is new: initialised N(0, initializer_range) with zero
-biases from `seed`, and reported as such. The `<v>` placeholder reuses a reserved Llama-3 special token, so the
-embedding table keeps its size (spec A17); its id and the id of `,` (between frames) come from the Llama tokenizer
-unless given.
+biases from `seed`, and reported as such; or it is VideoLLM-online's trained connector (`projector_from`). The
+`<v>` placeholder reuses a reserved Llama-3 special token, so the embedding table keeps its size (spec A17); its id
+and the id of `,` (between frames) come from the Llama tokenizer unless given.
 """
 
+import json
 import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
@@ -43,6 +45,11 @@ from .mote_common import (
 
 _DECODER_FFN = re.compile(r"model\.layers\.(\d+)\.mlp\.((?:gate|up|down)_proj\.weight)")
 _SIGLIP_DROPPED = re.compile(r"text_model\..*|logit_scale|logit_bias")
+# VideoLLM-online's connector (Linear, GELU, Linear) below any prefix (`base_model.model.` in its PEFT checkpoints).
+_CONNECTOR = re.compile(r"(?:.*\.)?connector\.(0|2)\.(weight|bias)")
+_CONNECTOR_LORA = re.compile(r"(?:.*\.)?connector\.(0|2)\.lora_(A|B)(?:\.\w+)?\.weight")
+PROJECTOR_LAYERS = {"0": "linear_1", "2": "linear_2"}
+PROJECTOR_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin")
 VIDEO_TOKEN = "<|reserved_special_token_0|>"
 FRAME_SEPARATOR = ","
 
@@ -62,6 +69,7 @@ def convert_llama_to_mote(
     video_token_id: int | None = None,
     frame_token_interval_id: int | None = None,
     dense: bool = False,
+    projector_from: str | Path | None = None,
 ) -> tuple[LlamaMoteForCausalLM | VideoLlmMoteForConditionalGeneration, dict]:
     """Convert a Llama checkpoint folder (`model_type: llama`, safetensors) into `LlamaMoteForCausalLM`, or, with
     `vision`, a SigLIP checkpoint folder too, into `VideoLlmMoteForConditionalGeneration`.
@@ -73,10 +81,13 @@ def convert_llama_to_mote(
             VideoLLM-MoTE: frames through both vision towers, then the same projector) and report the differences.
         video_token / video_token_id / frame_token_interval_id: the `<v>` placeholder and the `,` between frames
             (VideoLLM-MoTE only); the ids default to the Llama tokenizer's.
+        projector_from: VideoLLM-online's checkpoint, whose connector becomes the projector (default: a new one).
         dense: no task experts: every FFN stays as it is, the matched dense baseline (with `vision`, VideoLLM-online
             1B-v1+ in this class); the expert options do not apply.
     """
     folder = Path(llm)
+    if projector_from is not None and vision is None:
+        raise ValueError("projector_from (VideoLLM-online's connector) needs vision: the projector is VideoLLM-MoTE's")
     dtype = DTYPES.get(dtype, dtype)
     experts = as_experts(experts)
     llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
@@ -124,7 +135,10 @@ def convert_llama_to_mote(
                     writer.drop(key, "SigLIP's text tower and contrastive scale/bias are not part of VideoLLM-MoTE")
                 else:
                     writer.copy(key, "model.vision_tower." + key.removeprefix("vision_model."), load())
-        _initialise_projector(writer, model, text_config.initializer_range, seed)
+        if projector_from is None:
+            _initialise_projector(writer, model, text_config.initializer_range, seed)
+        else:
+            _import_projector(writer, Path(projector_from))
     accounting = writer.finish({
         f"{prefix}layers.{i}.mlp": {p: f"model.layers.{i}.mlp.{p}" for p in LLAMA_FFN.projections}
         for i in range(text_config.num_hidden_layers) if text_config.is_mote_layer(i)
@@ -165,8 +179,11 @@ def convert_llama_to_mote(
         ],
     }
     if vision_folder is not None:
+        report["projector_source"] = None if projector_from is None else str(projector_from)
+        projector = (f"The projector is new (seed {seed}): train it before use." if projector_from is None
+                     else f"The projector is VideoLLM-online's connector from {projector_from}.")  # fmt: skip
         report["notes"].append(
-            f"The projector is new (seed {seed}): train it before use. Video frames are written as "
+            f"{projector} Video frames are written as "
             f"{config.frame_num_tokens} x {video_token!r} (id {config.video_token_id}) separated by id "
             f"{config.frame_token_interval_id}."
         )
@@ -195,6 +212,59 @@ def _placeholder_ids(folder: Path, video_token: str, video_token_id, frame_token
             )
         frame_token_interval_id = separator[0]
     return video_token_id, frame_token_interval_id
+
+
+def _import_projector(writer: StateWriter, source: Path) -> None:
+    """
+    VideoLLM-online's connector as the projector (spec §5.2): `connector.0` -> `linear_1`, `connector.2` -> `linear_2`,
+    with a LoRA on the connector merged in (scale `lora_alpha / r` from `adapter_config.json`). `source` is
+    VideoLLM-online's PEFT checkpoint folder (`adapter_model.safetensors` or `.bin`, the connector saved as a module
+    to save) or one safetensors / PyTorch file. Its other tensors (the LLM's LoRA) are dropped: MoTE starts from the
+    base Llama.
+    """
+    tensors = _read_projector_checkpoint(source)
+    weights, lora = {}, {}
+    for key, tensor in tensors.items():
+        if match := _CONNECTOR.fullmatch(key):
+            weights[match[1], match[2]] = (key, tensor)
+        elif match := _CONNECTOR_LORA.fullmatch(key):
+            lora[match[1], match[2]] = tensor
+            writer.drop(key, f"LoRA of connector.{match[1]}, merged into its weight")
+        else:
+            writer.drop(key, "not the connector (VideoLLM-online's LLM adapter): MoTE starts from the base Llama")
+    wanted = [(layer, kind) for layer in PROJECTOR_LAYERS for kind in ("weight", "bias")
+              if kind == "weight" or writer.model.config.multimodal_projector_bias]  # fmt: skip
+    missing = [f"connector.{layer}.{kind}" for layer, kind in wanted if (layer, kind) not in weights]
+    if missing:
+        raise ValueError(
+            f"{source} has no {', '.join(missing)}: --projector-from takes a VideoLLM-online checkpoint (its PEFT "
+            f"folder, or a file with the connector's two linear layers); found {len(tensors)} other tensors"
+        )
+    scale = _lora_scale(source) if lora else None
+    for layer, kind in wanted:
+        key, tensor = weights[layer, kind]
+        if kind == "weight" and (layer, "A") in lora:
+            tensor = tensor + scale * (lora[layer, "B"].float() @ lora[layer, "A"].float()).to(tensor.dtype)
+        writer.copy(key, f"model.multi_modal_projector.{PROJECTOR_LAYERS[layer]}.{kind}", tensor)
+
+
+def _read_projector_checkpoint(source: Path) -> dict[str, torch.Tensor]:
+    if source.is_dir():
+        files = [source / name for name in PROJECTOR_FILES if (source / name).is_file()]
+        if not files:
+            raise ValueError(f"{source} holds none of {', '.join(PROJECTOR_FILES)}: not a VideoLLM-online checkpoint")
+        source = files[0]
+    if source.suffix == ".safetensors":
+        return load_file(source)
+    return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def _lora_scale(source: Path) -> float:
+    config_file = (source if source.is_dir() else source.parent) / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"the connector of {source} carries a LoRA, but there is no {config_file} to scale it with")
+    config = json.loads(config_file.read_text())
+    return config["lora_alpha"] / config["r"]
 
 
 def _initialise_projector(writer: StateWriter, model, std: float, seed: int) -> None:
@@ -271,6 +341,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vision", default=None,
                         help="a FixRes SigLIP 2 folder (e.g. siglip2-large-patch16-384): converts into VideoLLM-MoTE; "
                              "without it, into the text-only LlamaMote")
+    parser.add_argument("--projector-from", default=None,
+                        help="a VideoLLM-online checkpoint (PEFT folder or file) whose connector becomes the projector "
+                             "(default: a new projector)")
     parser.add_argument("--dense", action="store_true",
                         help="the dense baseline in the same class: no task experts (--experts and the expert "
                              "options do not apply)")
