@@ -18,6 +18,7 @@ from moezoo.evaluation.moemb import (
     evaluate_mmeb,
     evaluate_mrmr,
     hit_at_1,
+    mmeb_inputs,
     mrmr_input,
     ndcg_at_k,
     run_eval,
@@ -145,9 +146,47 @@ def test_mmeb_images_and_bad_tables(tiny, processor, tmp_path):
     assert all(0.0 <= row["score"] <= 1.0 and row["queries"] == 3 for row in results["tasks"])
     bad = tmp_path / "bad"
     bad.mkdir()
-    Dataset.from_list([{"qry_text": "a", "tgt_text": ["b", "c"]}]).to_json(bad / "Task.jsonl")
-    with pytest.raises(ValueError, match="missing qry_img_path, tgt_img_path"):
+    Dataset.from_list([{"qry_text": "a", "tgt_img_path": ["b", "c"]}]).to_json(bad / "Task.jsonl")
+    with pytest.raises(ValueError, match="needs qry_text and tgt_text .* missing tgt_text"):
         evaluate_mmeb(model, processor, bad)
+    Dataset.from_list([{"qry_text": "a", "tgt_text": ["b", "c"], "tgt_img_path": ["d"]}]).to_json(bad / "Task.jsonl")
+    with pytest.raises(ValueError, match="tgt_text and tgt_img_path must be lists of the same length"):
+        evaluate_mmeb(model, processor, bad)
+
+
+def test_mmeb_v2_video_tasks_read_folders_of_frames(tiny, processor, tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    shapes = ShapeRetrieval().shapes
+    for clip, label in enumerate((0, 5)):
+        (tmp_path / "clips" / f"{clip}").mkdir(parents=True)
+        for frame in range(2):
+            shapes.draw(label, generator).save(tmp_path / "clips" / f"{clip}" / f"{frame:03d}.png")
+    captions = [shapes.caption(0), shapes.caption(5)]
+    rows = [
+        {"qry_text": "Find the caption of the video.", "qry_video_path": f"clips/{clip}",
+         "tgt_text": captions[clip:] + captions[:clip], "tgt_video_path": ["", ""]}
+        for clip in range(2)
+    ]  # fmt: skip
+    Dataset.from_list(rows).to_json(tmp_path / "MSR-VTT.jsonl")
+    results = evaluate_mmeb(MoEmbForEmbedding.from_pretrained(tiny), processor, tmp_path, progress=False)
+    assert [(row["task"], row["category"], row["metric"], row["queries"]) for row in results["tasks"]] == [
+        ("MSR-VTT", "video RET", "hit@1", 2)]
+    queries, candidates = mmeb_inputs(Dataset.from_list(rows), tmp_path)
+    assert queries[0] == {"text": "Find the caption of the video.", "video": str(tmp_path / "clips" / "0")}
+    assert candidates[1] == [{"text": captions[1]}, {"text": captions[0]}]
+
+
+def test_mmeb_v2_visual_document_tasks_rank_a_corpus_by_ndcg_at_5(processor, tmp_path):
+    colour_task().to_json(tmp_path / "ImageNet-1K.jsonl")
+    write_colour_mrmr(tmp_path / "ViDoRe_arxivqa")
+    results = evaluate_mmeb(ColourWords(processor), processor, tmp_path, progress=False)
+    tasks = {row["task"]: row for row in results["tasks"]}
+    ndcg = (2 + 1 / math.log2(5)) / (2 + 1 / math.log2(3))  # as in the MRMR test: 4 documents, k = 5 keeps them all
+    assert (tasks["ViDoRe_arxivqa"]["category"], tasks["ViDoRe_arxivqa"]["metric"]) == ("visual document", "ndcg@5")
+    assert tasks["ViDoRe_arxivqa"]["score"] == pytest.approx(ndcg) and tasks["ViDoRe_arxivqa"]["queries"] == 4
+    assert results["overall"] == pytest.approx((1.0 + ndcg) / 2)
+    only = evaluate_mmeb(ColourWords(processor), processor, tmp_path, tasks=["ViDoRe_arxivqa"], progress=False)
+    assert [row["task"] for row in only["tasks"]] == ["ViDoRe_arxivqa"]
 
 
 # --- MRMR ------------------------------------------------------------------------------------------------------------

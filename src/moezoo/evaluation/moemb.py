@@ -3,8 +3,11 @@
 - **MMEB** (`--benchmark mmeb`): every query ranks its own candidate set, whose first candidate is the positive;
   the score of a task is its hit@1 (the positive ranked first). Data in MMEB's evaluation format (VLM2Vec /
   `TIGER-Lab/MMEB-eval`): one table per task with `qry_text`, `qry_img_path`, `tgt_text` (a list) and
-  `tgt_img_path` (a list), image paths relative to `--image-root`. Tasks are grouped into MMEB-V2's categories (image
-  CLS / QA / RET / GD, video CLS / QA / RET / MRT); a table's optional `category` column names others.
+  `tgt_img_path` (a list), and for MMEB-V2's video tasks `qry_video_path` / `tgt_video_path` (folders of decoded
+  frames), paths relative to `--image-root`. Tasks are grouped into MMEB-V2's categories (image CLS / QA / RET / GD,
+  video CLS / QA / RET / MRT); a table's optional `category` column names others. MMEB-V2's visual-document tasks
+  (ViDoRe, VisRAG, ...) rank a corpus of page images, a subfolder of `query`, `corpus` and `qrels` tables as MRMR's
+  below, scored by NDCG@5.
 - **MRMR** (`--benchmark mrmr`): every query ranks its task's whole corpus; NDCG@10 with graded relevance from the
   qrels (trec_eval's linear gains), except the Negation subtask, scored by Hit@1 (Table 3's caption). Data in
   MRMR's format: per task a folder of `query`, `corpus` and `qrels` tables (`id`, `text`, `image`, `image 1`, ...,
@@ -32,6 +35,8 @@ from ..terminal import console, print_table, progress_bar
 BENCHMARKS = ("mmeb", "mrmr")
 TABLE_SUFFIXES = (".parquet", ".jsonl", ".json")
 NDCG_K = 10
+VISDOC_NDCG_K = 5  # MMEB-V2 scores its visual-document tasks by NDCG@5
+VISDOC_CATEGORY = "visual document"
 HIT_AT_1_CATEGORIES = ("negation",)
 # MMEB-V2's image and video tasks by category (paper Table 14; MMEB-V1's grouping of the 36 image tasks).
 MMEB_CATEGORIES = {
@@ -133,48 +138,82 @@ def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = NDCG_K) ->
 
 def load_tables(source: str | Path, tasks: Sequence[str] | None = None) -> dict[str, Dataset]:  # noqa: F821
     """Tables by task name: one file, or every table file of a folder (named after the file)."""
-    from datasets import load_dataset
-
     path = Path(source)
     files = sorted(p for p in path.iterdir() if p.suffix in TABLE_SUFFIXES) if path.is_dir() else [path]
     if not files or not all(p.is_file() and p.suffix in TABLE_SUFFIXES for p in files):
         raise FileNotFoundError(f"{source}: expected a {'/'.join(TABLE_SUFFIXES)} file or a folder of them")
     tables = {p.stem: p for p in files}
     _check_task_names(tables, tasks, source)
-    return {
-        task: load_dataset("parquet" if p.suffix == ".parquet" else "json", data_files=str(p), split="train")
-        for task, p in tables.items() if tasks is None or task in tasks
-    }  # fmt: skip
+    return {task: _load_table(p) for task, p in tables.items() if tasks is None or task in tasks}
+
+
+def _load_table(path: Path):
+    from datasets import load_dataset
+
+    return load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
+
+
+def mmeb_tasks(source: str | Path, tasks: Sequence[str] | None = None) -> dict:
+    """MMEB's tasks in `source` by name: candidate-set tables (a table file, or the table files of a folder) and
+    visual-document tasks (the folder's subfolders of `query`, `corpus` and `qrels` tables, ranked as a corpus)."""
+    path = Path(source)
+    if not path.is_dir():
+        return load_tables(path, tasks)
+    tables = {p.stem: p for p in sorted(path.iterdir()) if p.is_file() and p.suffix in TABLE_SUFFIXES}
+    corpora = {p.name: p for p in sorted(path.iterdir()) if is_corpus_task(p)}
+    found = tables | corpora
+    if not found:
+        raise FileNotFoundError(
+            f"{source}: expected {'/'.join(TABLE_SUFFIXES)} tables (one per task) or visual-document task folders "
+            "(query, corpus and qrels tables)"
+        )
+    _check_task_names(found, tasks, source)
+    chosen = {name: item for name, item in found.items() if tasks is None or name in tasks}
+    return {name: item if item in corpora.values() else _load_table(item) for name, item in chosen.items()}
 
 
 def mmeb_inputs(table, image_root: str | Path | None, limit: int | None = None) -> tuple[list, list[list]]:
-    """The queries of an MMEB evaluation table and each query's candidates (the positive first)."""
-    missing = [c for c in ("qry_text", "qry_img_path", "tgt_text", "tgt_img_path") if c not in table.column_names]
+    """The queries of an MMEB evaluation table and each query's candidates (the positive first). `qry_text` and
+    `tgt_text` (a list) are required; images (`qry_img_path`, `tgt_img_path`) and MMEB-V2's videos (`qry_video_path`,
+    `tgt_video_path`: folders of frames) are optional columns, with an empty path for none."""
+    columns = set(table.column_names)
+    missing = [c for c in ("qry_text", "tgt_text") if c not in columns]
     if missing:
         raise ValueError(
-            f"an MMEB evaluation table needs qry_text, qry_img_path, tgt_text and tgt_img_path; missing "
-            f"{', '.join(missing)} (columns: {', '.join(table.column_names)})"
+            f"an MMEB evaluation table needs qry_text and tgt_text (and media paths: qry_img_path, tgt_img_path, "
+            f"qry_video_path, tgt_video_path); missing {', '.join(missing)} (columns: {', '.join(table.column_names)})"
         )
+    media = [column for column in ("tgt_img_path", "tgt_video_path") if column in columns]
     queries, candidates = [], []
     for row in table.select(range(min(limit or len(table), len(table)))):
-        if len(row["tgt_text"]) != len(row["tgt_img_path"]) or len(row["tgt_text"]) < 2:
+        count = len(row["tgt_text"])
+        if count < 2 or any(len(row[column]) != count for column in media):
             raise ValueError(
-                f"query {len(queries)}: tgt_text and tgt_img_path must be lists of the same length, at least 2 "
-                f"candidates (got {len(row['tgt_text'])} and {len(row['tgt_img_path'])})"
+                f"query {len(queries)}: tgt_text and {' and '.join(media) or 'its media'} must be lists of the same "
+                f"length, at least 2 candidates (got {count} and {[len(row[column]) for column in media]})"
             )
-        queries.append(mmeb_input(row["qry_text"], row["qry_img_path"], image_root))
-        candidates.append([mmeb_input(t, i, image_root) for t, i in zip(row["tgt_text"], row["tgt_img_path"])])
+        queries.append(mmeb_input(row["qry_text"], row.get("qry_img_path"), image_root, row.get("qry_video_path")))
+        images, videos = (row.get(column) or [None] * count for column in ("tgt_img_path", "tgt_video_path"))
+        candidates.append([mmeb_input(text, image, image_root, video)
+                           for text, image, video in zip(row["tgt_text"], images, videos)])  # fmt: skip
     return queries, candidates
 
 
 def evaluate_mmeb(model, processor, source, image_root=None, tasks: Sequence[str] | None = None,
                   limit: int | None = None, batch_size: int = 16, max_length: int | None = None,
                   progress: bool = True) -> dict:  # fmt: skip
-    """Hit@1 per MMEB task and per category, and their means. `image_root` defaults to the data's folder."""
-    tables = load_tables(source, tasks)
+    """Per MMEB task and per category, and their means: hit@1 over each query's candidates for image and video tasks,
+    NDCG@5 over the corpus for visual-document tasks (MMEB-V2's conventions). `image_root` defaults to the data's
+    folder."""
     image_root = image_root if image_root is not None else _folder_of(source)
     rows = []
-    for task, table in tables.items():
+    for task, table in mmeb_tasks(source, tasks).items():
+        if isinstance(table, Path):
+            queries, scores, relevance = rank_corpus(model, processor, table, task, limit, batch_size, max_length,
+                                                     progress)  # fmt: skip
+            rows.append({"task": task, "category": VISDOC_CATEGORY, "metric": f"ndcg@{VISDOC_NDCG_K}",
+                         "queries": len(queries), "score": float(ndcg_at_k(scores, relevance, VISDOC_NDCG_K).mean())})
+            continue
         queries, candidates = mmeb_inputs(table, image_root, limit)
         query_embeds = embed(model, processor, queries, batch_size, max_length, progress)
         flat = [candidate for group in candidates for candidate in group]
@@ -190,6 +229,53 @@ def evaluate_mmeb(model, processor, source, image_root=None, tasks: Sequence[str
         rows.append({"task": task, "category": category, "metric": "hit@1", "queries": len(queries),
                      "score": float(torch.cat(hits).mean())})  # fmt: skip
     return {"benchmark": "mmeb", "tasks": rows, **_summaries(rows)}
+
+
+# --- ranking a corpus (MRMR, MMEB-V2's visual documents) ----------------------------------------------------------
+
+
+def is_corpus_task(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / f"qrels{suffix}").is_file() for suffix in TABLE_SUFFIXES)
+
+
+def load_corpus_task(folder: str | Path) -> tuple:
+    """The `query`, `corpus` and `qrels` tables of a task folder."""
+    folder = Path(folder)
+    tables = {}
+    for name in ("query", "corpus", "qrels"):
+        found = [folder / f"{name}{suffix}" for suffix in TABLE_SUFFIXES if (folder / f"{name}{suffix}").is_file()]
+        if not found:
+            raise FileNotFoundError(f"{folder} has no {name} table ({', '.join(name + s for s in TABLE_SUFFIXES)})")
+        tables[name] = _load_table(found[0])
+    return tables["query"], tables["corpus"], tables["qrels"]
+
+
+def rank_corpus(model, processor, folder: Path, task: str, limit: int | None, batch_size: int,
+                max_length: int | None, progress: bool) -> tuple[list, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The queries of a task folder that have a relevant document, their scores against the whole corpus `(Q, D)`
+    and the graded relevance from the qrels `(Q, D)`."""
+    query_table, corpus_table, qrels_table = load_corpus_task(folder)
+    qrels = defaultdict(dict)
+    for qrel in qrels_table:
+        qrels[str(qrel["query_id"])][str(qrel["corpus_id"])] = float(qrel["score"])
+    queries = [row for row in query_table if any(score > 0 for score in qrels[str(row["id"])].values())]
+    queries = queries[:limit] if limit else queries
+    if not queries:
+        raise ValueError(f"task {task}: no query has a relevant document in the qrels")
+    doc_ids = [str(row["id"]) for row in corpus_table]
+    query_embeds, doc_embeds = (
+        embed(model, processor, [mrmr_input(row, folder) for row in rows], batch_size, max_length, progress)
+        for rows in (queries, corpus_table)
+    )
+    scores = query_embeds @ doc_embeds.t()
+    column = {doc_id: index for index, doc_id in enumerate(doc_ids)}
+    relevance = torch.zeros(scores.shape)
+    for index, row in enumerate(queries):
+        for doc_id, score in qrels[str(row["id"])].items():
+            if doc_id not in column:
+                raise ValueError(f"task {task}: the qrels name document {doc_id!r}, absent from the corpus")
+            relevance[index, column[doc_id]] = score
+    return queries, scores, relevance
 
 
 # --- MRMR ---------------------------------------------------------------------------------------------------------
@@ -212,18 +298,6 @@ def mrmr_input(row: dict, base: Path | None) -> dict:
     return {"text": text or None, "images": images}
 
 
-def load_mrmr_task(folder: str | Path) -> tuple:
-    """The `query`, `corpus` and `qrels` tables of an MRMR task folder."""
-    folder = Path(folder)
-    tables = {}
-    for name in ("query", "corpus", "qrels"):
-        found = [folder / f"{name}{suffix}" for suffix in TABLE_SUFFIXES if (folder / f"{name}{suffix}").is_file()]
-        if not found:
-            raise FileNotFoundError(f"{folder} has no {name} table ({', '.join(name + s for s in TABLE_SUFFIXES)})")
-        tables[name] = load_tables(found[0])[name]
-    return tables["query"], tables["corpus"], tables["qrels"]
-
-
 def evaluate_mrmr(model, processor, source, tasks: Sequence[str] | None = None, limit: int | None = None,
                   batch_size: int = 16, max_length: int | None = None, hit_at_1_categories=HIT_AT_1_CATEGORIES,
                   progress: bool = True) -> dict:  # fmt: skip
@@ -232,35 +306,18 @@ def evaluate_mrmr(model, processor, source, tasks: Sequence[str] | None = None, 
     source = Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"{source}: expected an MRMR task folder (query, corpus, qrels) or a folder of them")
-    is_task = any((source / f"qrels{suffix}").is_file() for suffix in TABLE_SUFFIXES)
-    folders = {source.name: source} if is_task else {p.name: p for p in sorted(source.iterdir()) if p.is_dir()}
+    if is_corpus_task(source):
+        folders = {source.name: source}
+    else:
+        folders = {p.name: p for p in sorted(source.iterdir()) if p.is_dir()}
     _check_task_names(folders, tasks, source)
     hit_categories = {category.lower() for category in hit_at_1_categories}
     rows, per_category = [], defaultdict(list)
     for task, folder in folders.items():
         if tasks is not None and task not in tasks:
             continue
-        query_table, corpus_table, qrels_table = load_mrmr_task(folder)
-        qrels = defaultdict(dict)
-        for qrel in qrels_table:
-            qrels[str(qrel["query_id"])][str(qrel["corpus_id"])] = float(qrel["score"])
-        queries = [row for row in query_table if any(score > 0 for score in qrels[str(row["id"])].values())]
-        queries = queries[:limit] if limit else queries
-        if not queries:
-            raise ValueError(f"MRMR task {task}: no query has a relevant document in the qrels")
-        doc_ids = [str(row["id"]) for row in corpus_table]
-        query_embeds, doc_embeds = (
-            embed(model, processor, [mrmr_input(row, folder) for row in rows], batch_size, max_length, progress)
-            for rows in (queries, corpus_table)
-        )
-        scores = query_embeds @ doc_embeds.t()
-        column = {doc_id: index for index, doc_id in enumerate(doc_ids)}
-        relevance = torch.zeros(scores.shape)
-        for index, row in enumerate(queries):
-            for doc_id, score in qrels[str(row["id"])].items():
-                if doc_id not in column:
-                    raise ValueError(f"MRMR task {task}: the qrels name document {doc_id!r}, absent from the corpus")
-                relevance[index, column[doc_id]] = score
+        queries, scores, relevance = rank_corpus(model, processor, folder, task, limit, batch_size, max_length,
+                                                 progress)  # fmt: skip
         ndcg, hits = ndcg_at_k(scores, relevance), hit_at_1(scores, relevance)
         for index, row in enumerate(queries):
             category = row.get("category") or task
@@ -307,7 +364,7 @@ def print_evaluation(results: dict) -> None:
     print_table(f"{name} per task", ["task", "category", "metric", "queries", "score"],
                 [[r["task"], r["category"], r["metric"], r["queries"], r["score"]] for r in results["tasks"]])
     if results["benchmark"] == "mmeb":
-        print_table(f"{name} per category", ["category", "tasks", "mean hit@1"],
+        print_table(f"{name} per category", ["category", "tasks", "mean score"],
                     [[r["category"], r["tasks"], r["score"]] for r in results["categories"]])
     else:
         print_table(f"{name} per subtask", ["task", "subtask", "metric", "queries", "score"],
@@ -323,12 +380,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `moezoo eval moemb`."""
     parser.add_argument("--model", required=True, metavar="DIR", help="a MoEMB model folder with its processor")
     parser.add_argument("--benchmark", choices=BENCHMARKS, required=True,
-                        help="mmeb: hit@1 over each query's candidates; mrmr: NDCG@10 (Hit@1 for negation)")
+                        help="mmeb: hit@1 over each query's candidates (NDCG@5 for visual documents); mrmr: "
+                             "NDCG@10 (Hit@1 for negation)")
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="mmeb: a table (parquet/jsonl/json) in MMEB's evaluation format or a folder of them, one "
-                             "per task; mrmr: a task folder with query, corpus and qrels tables, or a folder of them")
-    parser.add_argument("--image-root", metavar="DIR", help="mmeb: folder the image paths are relative to "
-                        "(default: the data's folder); MRMR paths are relative to their task folder")
+                             "per task, and of visual-document task folders; mrmr: a task folder with query, corpus "
+                             "and qrels tables, or a folder of them")
+    parser.add_argument("--image-root", metavar="DIR", help="mmeb: folder the image and video paths are relative to "
+                        "(default: the data's folder); corpus tasks' paths are relative to their task folder")
     parser.add_argument("--tasks", nargs="+", metavar="TASK", help="evaluate these tasks only (default: all)")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="the first N queries of every task")
     parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")

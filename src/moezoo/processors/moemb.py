@@ -476,16 +476,16 @@ class MoEmbProcessor(ProcessorMixin):
         return mmeb_input(record.get(text_field), record.get(image_field), image_root)
 
 
-def mmeb_input(text: str | None, image=None, image_root: str | Path | None = None) -> dict:
-    """An input from an MMEB text (its `<|image_1|>` made Qwen's image placeholder) and an image: a path relative to
-    `image_root`, an opened image, or empty for none."""
+def mmeb_input(text: str | None, image=None, image_root: str | Path | None = None, video=None) -> dict:
+    """An input from an MMEB text (its `<|image_1|>` made Qwen's image placeholder), an image and a video (MMEB-V2's
+    video tasks; a folder of frames): paths relative to `image_root`, opened media, or empty for none."""
     item = {"text": (text or "").replace(MMEB_IMAGE_TOKEN, IMAGE_TOKEN) or None}
-    if image == "":
-        image = None
-    elif isinstance(image, str) and image_root is not None:
-        image = str(Path(image_root) / image)
-    if image is not None:
-        item["images"] = [image]
+    for key, media in (("images", image), ("video", video)):
+        if media is None or (isinstance(media, str) and media == ""):
+            continue
+        if isinstance(media, str) and image_root is not None:
+            media = str(Path(image_root) / media)
+        item[key] = [media] if key == "images" else media
     return item
 
 
