@@ -259,3 +259,28 @@ def test_eval_command(tiny, tmp_path, capsys):
                                        str(tmp_path / "mrmr")])) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "MRMR per subtask" in printed and "MRMR overall (mean over subtasks)" in printed
+
+
+# --- the benchmark ---------------------------------------------------------------------------------------------------
+
+
+def test_bench_rows_compare_moemb_with_transformers_on_the_same_weights(capsys):
+    from moezoo.bench.moemb import add_bench_arguments, run_bench
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--size", "tiny", "--batch-size", "2", "--text-tokens", "8", "--image-size", "32",
+                              "--impl", "eager", "moezoo", "--seconds-per-case", "0.2", "--threads", "1", "--json"])
+    assert run_bench(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["inputs"], row["model"], row["impl"]) for row in rows} == {
+        (kind, model, impl) for kind in ("text", "image+text") for model in ("moemb", "transformers")
+        for impl in ("eager", "moezoo")
+    }  # fmt: skip
+    for row in rows:
+        assert row["ms"] > 0 and row["embeddings_per_second"] == pytest.approx(2 * 1000 / row["ms"], rel=1e-6)
+        if row["model"] == "moemb":
+            reference = next(r for r in rows if r["model"] == "transformers" and r["impl"] == row["impl"]
+                             and r["inputs"] == row["inputs"])  # fmt: skip
+            assert row["overhead_vs_transformers"] == pytest.approx(row["ms"] / reference["ms"] - 1, rel=1e-6)
+            assert row["max_abs_diff_vs_transformers"] <= 1e-5

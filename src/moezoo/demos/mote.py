@@ -6,7 +6,8 @@ with the paper's prompts. Two models start from the same dense weights and train
 number of steps (batch size, learning rate), the vision tower frozen and the whole decoder trained (the base is
 random, so the paper's LoRA recipe, made to preserve a pretrained decoder, has nothing to preserve here):
 
-- the dense model: the conversion with a single expert and no shared expert, which is the dense FFN itself;
+- the dense model: the matched dense baseline (`dense=True`: no task experts, the base's FFNs, every task on one
+  path);
 - its MoTE conversion: one expert per task plus a shared expert, every route equal to the dense model at first.
 
 Then procedure forecasting (`proc`, the numbered list of the remaining steps) is added as a new expert, copied from
@@ -15,7 +16,6 @@ Then procedure forecasting (`proc`, the numbered list of the remaining steps) is
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -60,9 +60,9 @@ def normalise(text: str) -> str:
 
 
 @torch.no_grad()
-def task_accuracy(folder: Path, test, tasks: tuple[str, ...], route: str | None = None) -> dict[str, float]:
+def task_accuracy(folder: Path, test, tasks: tuple[str, ...]) -> dict[str, float]:
     """Greedy answers to each task's test examples, exact match after lower-casing and whitespace folding; each task
-    runs on its own route, or on `route` for every task."""
+    runs on its own route (the dense model has one path for all)."""
     model, processor = load_mote_model(folder)
     model.eval()
     accuracy = {}
@@ -70,7 +70,7 @@ def task_accuracy(folder: Path, test, tasks: tuple[str, ...], route: str | None 
         rows = test.filter(lambda name: name == task, input_columns="task")
         inputs = processor(
             text=[processor.render_prompt(prompt) for prompt in rows["prompt"]], videos=list(rows["frames"]),
-            task=route or task, padding=True, padding_side="left", return_tensors="pt",
+            task=task, padding=True, padding_side="left", return_tensors="pt",
         )  # fmt: skip
         output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
         answers = processor.tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -123,12 +123,11 @@ def run(out_dir: Path, quick: bool = False) -> dict:
 
     llama, siglip = build_base(out_dir / "base")
     mote_report = convert(llama, siglip, out_dir / "mote", data.words, experts=list(JOINT_TASKS))
-    dense_report = convert(llama, siglip, out_dir / "dense", data.words,
-                           experts={"dense": "the dense FFN"}, num_shared_experts=0)
+    dense_report = convert(llama, siglip, out_dir / "dense", data.words, dense=True)
     print_table(
         "the two models (converted from the same dense checkpoints)",
         ["model", "experts", "total parameters", "active parameters", "max |logits - dense| at conversion"],
-        [["dense", 1, dense_report["parameters"]["total"], dense_report["parameters"]["active"],
+        [["dense", "none", dense_report["parameters"]["total"], dense_report["parameters"]["active"],
           dense_report["max_abs_diff"]],
          ["MoTE", f"{len(JOINT_TASKS)} + shared", mote_report["parameters"]["total"],
           mote_report["parameters"]["active"], mote_report["max_abs_diff"]]],
@@ -140,10 +139,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     console.print(f"training both for {steps} steps, batch {options.batch_size}, on {sum(TRAIN_COUNTS.values())} "
                   f"examples ({', '.join(f'{n} {t}' for t, n in TRAIN_COUNTS.items())})")
     train_mote(out_dir / "mote", train, out_dir / "mote_trained", options, overwrite=True)
-    # The dense model has one route: every example takes it, whatever its task.
-    train_mote(out_dir / "dense", train.map(lambda row: {"task": "dense"}), out_dir / "dense_trained",
-               dataclasses.replace(options, tasks=("dense",)), overwrite=True)
-    dense = task_accuracy(out_dir / "dense_trained", test, JOINT_TASKS, route="dense")
+    train_mote(out_dir / "dense", train, out_dir / "dense_trained", options, overwrite=True)
+    dense = task_accuracy(out_dir / "dense_trained", test, JOINT_TASKS)
     mote = task_accuracy(out_dir / "mote_trained", test, JOINT_TASKS)
     console.print(f"greedy answers to {TEST_COUNT} unseen clips per task, exact match:")
     print_table(
