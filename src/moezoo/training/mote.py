@@ -232,7 +232,6 @@ class MoteCollator:
             features["mm_token_type_ids"] = features["mm_token_type_ids"][0].tolist() + [0] * len(answer)
         return features
 
-
     def encode_stream(self, example: dict) -> dict:
         if not isinstance(self.processor, VideoLlmMoteProcessor) or "frames" not in example:
             raise ValueError("An example with `responses` is a live video stream: it needs `frames` and VideoLLM-MoTE.")
