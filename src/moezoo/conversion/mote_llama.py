@@ -238,8 +238,11 @@ def _import_projector(writer: StateWriter, source: Path) -> None:
     if missing:
         raise ValueError(
             f"{source} has no {', '.join(missing)}: --projector-from takes a VideoLLM-online checkpoint (its PEFT "
-            f"folder, or a file with the connector's two linear layers); found {len(tensors)} other tensors"
+            f"folder, or a file with the connector's two linear layers); it holds {len(tensors)} tensors"
         )
+    halves = sorted({layer for layer, _ in lora if ((layer, "A") in lora) != ((layer, "B") in lora)})
+    if halves:
+        raise ValueError(f"{source} has half a LoRA (lora_A or lora_B alone) on connector.{', '.join(halves)}")
     scale = _lora_scale(source) if lora else None
     for layer, kind in wanted:
         key, tensor = weights[layer, kind]
