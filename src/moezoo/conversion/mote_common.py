@@ -379,6 +379,36 @@ def route_differences(model, reference_logits: torch.Tensor, inputs: dict) -> di
     return differences
 
 
+def conversion_report(model, folder: Path, source_model_type: str, construction: str | None, accounting: dict,
+                      differences: dict[str, float] | None, compared_on: str) -> dict:  # fmt: skip
+    """The provenance of a MoTE conversion: the source, the construction, the key accounting, the parameter counts and
+    the largest logits difference of every route to the source model (measured `compared_on`; None unverified)."""
+    text_config = model.config.get_text_config()
+    return {
+        "source": str(folder),
+        "source_model_type": source_model_type,
+        "base_model": str(folder),
+        "license": source_license(folder),
+        "construction": construction,
+        "mote_init": text_config.mote_init,
+        "experts": text_config.mote_expert_names,
+        "default_route": text_config.mote_default_route,
+        "key_accounting": accounting,
+        "parameters": {
+            "total": sum(p.numel() for p in model.parameters()),
+            "active": model.active_parameter_count(),
+            "language_model_total": model.num_parameters_mote(active=False),
+            "language_model_active": model.num_parameters_mote(active=True),
+        },
+        "max_abs_diff": None if differences is None else max(differences.values()),
+        "max_abs_diff_by_route": differences,
+        "notes": [
+            f"max_abs_diff: every route's logits against {compared_on} (0 for the function-preserving constructions "
+            "copy and copy_half)."
+        ],
+    }
+
+
 # --- command-line options ---------------------------------------------------------------------------------------------
 
 

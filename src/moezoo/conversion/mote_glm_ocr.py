@@ -26,12 +26,12 @@ from .mote_common import (
     StateWriter,
     add_common_arguments,
     as_experts,
+    conversion_report,
     mote_fields,
     plain_config_fields,
     read_config,
     route_differences,
     source_generation_config,
-    source_license,
     source_tokenizer,
     uninitialised,
 )
@@ -119,32 +119,9 @@ def convert_glm_ocr_to_mote(
     model.eval()
 
     differences = measure_routes(model, folder, dtype) if verify else None
-    report = {
-        "source": str(folder),
-        "source_model_type": "glm_ocr",
-        "base_model": str(folder),
-        "license": source_license(folder),
-        "construction": construction,
-        "mote_init": text_config.mote_init,
-        "experts": text_config.mote_expert_names,
-        "default_route": text_config.mote_default_route,
-        "key_accounting": accounting,
-        "parameters": {
-            "total": sum(p.numel() for p in model.parameters()),
-            "active": model.active_parameter_count(),
-            "language_model_total": model.num_parameters_mote(active=False),
-            "language_model_active": model.num_parameters_mote(active=True),
-        },
-        "max_abs_diff": None if differences is None else max(differences.values()),
-        "max_abs_diff_by_route": differences,
-        "notes": [
-            (
-                "max_abs_diff: every route's logits against GLM-OCR's on two synthetic image + text examples (0 for "
-                "the function-preserving constructions copy and copy_half)."
-            ),
-            "The MTP layer is dropped: MoTE does not support multi-token-prediction decoding.",
-        ],
-    }
+    report = conversion_report(model, folder, "glm_ocr", construction, accounting, differences,
+                               "GLM-OCR's on two synthetic image + text examples")  # fmt: skip
+    report["notes"].append("The MTP layer is dropped: MoTE does not support multi-token-prediction decoding.")
     return model, report
 
 

@@ -31,13 +31,13 @@ from .mote_common import (
     StateWriter,
     add_common_arguments,
     as_experts,
+    conversion_report,
     dense_fields,
     mote_fields,
     plain_config_fields,
     read_config,
     route_differences,
     source_generation_config,
-    source_license,
     source_tokenizer,
     uninitialised,
 )
@@ -152,32 +152,9 @@ def convert_llama_to_mote(
     if verify:
         differences = (measure_llama_routes(model, folder, dtype) if vision_folder is None
                        else measure_videollm_routes(model, folder, vision_folder, dtype))
-    report = {
-        "source": str(folder),
-        "vision_source": None if vision_folder is None else str(vision_folder),
-        "source_model_type": "llama",
-        "base_model": str(folder),
-        "license": source_license(folder),
-        "construction": None if dense else construction,
-        "mote_init": text_config.mote_init,
-        "experts": text_config.mote_expert_names,
-        "default_route": text_config.mote_default_route,
-        "key_accounting": accounting,
-        "parameters": {
-            "total": sum(p.numel() for p in model.parameters()),
-            "active": model.active_parameter_count(),
-            "language_model_total": model.num_parameters_mote(active=False),
-            "language_model_active": model.num_parameters_mote(active=True),
-        },
-        "max_abs_diff": None if differences is None else max(differences.values()),
-        "max_abs_diff_by_route": differences,
-        "notes": [
-            (
-                "max_abs_diff: every route's logits against the dense Llama's on synthetic inputs (0 for the "
-                "function-preserving constructions copy and copy_half)."
-            ),
-        ],
-    }
+    report = conversion_report(model, folder, "llama", None if dense else construction, accounting, differences,
+                               "the dense Llama's on synthetic inputs")  # fmt: skip
+    report["vision_source"] = None if vision_folder is None else str(vision_folder)
     if vision_folder is not None:
         report["projector_source"] = None if projector_from is None else str(projector_from)
         projector = (f"The projector is new (seed {seed}): train it before use." if projector_from is None

@@ -136,17 +136,6 @@ def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = NDCG_K) ->
 # --- MMEB ---------------------------------------------------------------------------------------------------------
 
 
-def load_tables(source: str | Path, tasks: Sequence[str] | None = None) -> dict[str, Dataset]:  # noqa: F821
-    """Tables by task name: one file, or every table file of a folder (named after the file)."""
-    path = Path(source)
-    files = sorted(p for p in path.iterdir() if p.suffix in TABLE_SUFFIXES) if path.is_dir() else [path]
-    if not files or not all(p.is_file() and p.suffix in TABLE_SUFFIXES for p in files):
-        raise FileNotFoundError(f"{source}: expected a {'/'.join(TABLE_SUFFIXES)} file or a folder of them")
-    tables = {p.stem: p for p in files}
-    _check_task_names(tables, tasks, source)
-    return {task: _load_table(p) for task, p in tables.items() if tasks is None or task in tasks}
-
-
 def _load_table(path: Path):
     from datasets import load_dataset
 
@@ -154,22 +143,27 @@ def _load_table(path: Path):
 
 
 def mmeb_tasks(source: str | Path, tasks: Sequence[str] | None = None) -> dict:
-    """MMEB's tasks in `source` by name: candidate-set tables (a table file, or the table files of a folder) and
-    visual-document tasks (the folder's subfolders of `query`, `corpus` and `qrels` tables, ranked as a corpus)."""
+    """MMEB's tasks in `source` by name: candidate-set tables (a table file, or the table files of a folder, named
+    after the file) and visual-document tasks (the folder's subfolders of `query`, `corpus` and `qrels` tables,
+    ranked as a corpus)."""
     path = Path(source)
-    if not path.is_dir():
-        return load_tables(path, tasks)
-    tables = {p.stem: p for p in sorted(path.iterdir()) if p.is_file() and p.suffix in TABLE_SUFFIXES}
-    corpora = {p.name: p for p in sorted(path.iterdir()) if is_corpus_task(p)}
+    if path.is_dir():
+        tables = {p.stem: p for p in sorted(path.iterdir()) if p.is_file() and p.suffix in TABLE_SUFFIXES}
+        corpora = {p.name: p for p in sorted(path.iterdir()) if is_corpus_task(p)}
+    else:
+        tables = {path.stem: path} if path.is_file() and path.suffix in TABLE_SUFFIXES else {}
+        corpora = {}
     found = tables | corpora
     if not found:
         raise FileNotFoundError(
-            f"{source}: expected {'/'.join(TABLE_SUFFIXES)} tables (one per task) or visual-document task folders "
-            "(query, corpus and qrels tables)"
+            f"{source}: expected a {'/'.join(TABLE_SUFFIXES)} table, or a folder of them (one per task) and of "
+            "visual-document task folders (query, corpus and qrels tables)"
         )
     _check_task_names(found, tasks, source)
-    chosen = {name: item for name, item in found.items() if tasks is None or name in tasks}
-    return {name: item if item in corpora.values() else _load_table(item) for name, item in chosen.items()}
+    return {
+        name: item if name in corpora else _load_table(item)
+        for name, item in found.items() if tasks is None or name in tasks
+    }  # fmt: skip
 
 
 def mmeb_inputs(table, image_root: str | Path | None, limit: int | None = None) -> tuple[list, list[list]]:

@@ -57,12 +57,8 @@ class VideoLlmMoteStream:
         route = processor.route_ids(task, None, [prompt])
         self.task_ids = None if route is None else torch.tensor(route, device=model.device)
         self.cache = DynamicCache(config=model.config.get_text_config())
-        system = processor.system_prompt if system_prompt is None else system_prompt
-        opening = processor.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
-        )
         # Tokens decided but not yet run through the model; they go in with the next frame.
-        self.pending = processor.text_ids(opening + processor.stream_reopening)
+        self.pending = processor.stream_opening_ids(prompt, system_prompt)
         self.frames_in_chunk = 0
         self.token_ids: list[int] = []  # everything the model has read, in order
         self.silence_probabilities: list[float] = []

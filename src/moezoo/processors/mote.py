@@ -637,9 +637,7 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
                 "key responses by the index of the frame they follow in the sampled stream."
             )
         silence_id = self.silence_token_id(silence_token)
-        system = self.system_prompt if system_prompt is None else system_prompt
-        prefix = self.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
-        input_ids = self.text_ids(prefix + "\n[")
+        input_ids = self.stream_opening_ids(prompt, system_prompt)
         labels = [IGNORE_INDEX] * len(input_ids)
         for k in range(num_frames):
             if k > 0 and k - 1 not in responses:
@@ -662,6 +660,12 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
         data = {"input_ids": [input_ids], "attention_mask": [[1] * len(input_ids)], "labels": [labels], **frames}
         inputs = BatchFeature(data=data, tensor_type=return_tensors)
         return add_task_ids(inputs, self.route_ids(task, None, [prompt]), return_tensors)
+
+    def stream_opening_ids(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+        """What opens a live stream: the system and user prompts, then the stream's opening bracket."""
+        system = self.system_prompt if system_prompt is None else system_prompt
+        opening = self.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
+        return self.text_ids(opening + self.stream_reopening)
 
     def silence_token_id(self, silence_token: str) -> int:
         """The id a silent frame predicts: `"eos"` -> the end-of-turn token, `"interval"` -> the frame separator."""

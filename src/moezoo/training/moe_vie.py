@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
@@ -29,6 +29,7 @@ from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
 from ..terminal import console, print_table
+from .arguments import training_arguments
 from .callbacks import RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, world
@@ -244,24 +245,8 @@ def train_moe_vie(
     trained = with_lora(model, options.lora_r) if options.lora_r else model
 
     with atomic_output_dir(out, overwrite=overwrite) as staging:
-        args = TrainingArguments(
-            output_dir=str(staging / "checkpoints"),
-            max_steps=options.steps,
-            per_device_train_batch_size=options.batch_size,
-            gradient_accumulation_steps=options.gradient_accumulation_steps,
-            activation_checkpointing=options.gradient_checkpointing,
-            learning_rate=options.learning_rate,
-            weight_decay=options.weight_decay,
-            warmup_steps=options.warmup_steps,
-            lr_scheduler_type="cosine",
-            logging_steps=min(options.logging_steps, options.steps),
-            save_strategy="no",
-            report_to="none",
-            seed=options.seed,
-            dataloader_drop_last=True,  # the global contrastive loss needs equal batches on every process
-            remove_unused_columns=False,
-            use_cpu=not torch.cuda.is_available(),
-        )
+        # The global contrastive loss needs equal batches on every process.
+        args = training_arguments(staging / "checkpoints", options, dataloader_drop_last=True)
         history = LossHistory()
         trainer_class, extra = MoeVieTrainer, {}
         if options.video:

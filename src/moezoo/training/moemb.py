@@ -41,7 +41,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
@@ -52,6 +52,7 @@ from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
+from .arguments import training_arguments
 from .callbacks import use_rich_progress
 from .data import TABLE_FORMATS
 from .distributed import all_gather_with_grad, world
@@ -435,28 +436,17 @@ def train_moemb(
     learning_rate = options.learning_rate or RECIPES[options.recipe]
 
     with atomic_output_dir(out, overwrite=overwrite) as staging:
-        args = TrainingArguments(
-            output_dir=str(staging / "checkpoints"),
-            max_steps=options.steps,
-            per_device_train_batch_size=options.batch_size,
-            gradient_accumulation_steps=options.gradient_accumulation_steps,
-            activation_checkpointing=options.gradient_checkpointing,
+        args = training_arguments(
+            staging / "checkpoints",
+            options,
             learning_rate=learning_rate,
             lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": 0.1},
-            warmup_steps=options.warmup_steps,
-            weight_decay=options.weight_decay,
             adam_beta1=0.9,
             adam_beta2=0.98,
             max_grad_norm=1.0,
             bf16=options.bf16,
-            logging_steps=min(options.logging_steps, options.steps),
-            save_strategy="no",
-            report_to="none",
-            seed=options.seed,
             dataloader_drop_last=True,  # equal local batches: the labels of the gathered logits assume them
-            remove_unused_columns=False,
-            use_cpu=not torch.cuda.is_available(),
         )
         history = LossHistory()
         collator = MoEmbCollator(processor, options.chunk_size, options.max_length)

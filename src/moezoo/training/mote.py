@@ -34,13 +34,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from PIL import Image
 from torch.utils.data import DataLoader, Sampler
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainerCallback, TrainingArguments
 
 from .. import __version__
 from ..hub.export import read_model_type
@@ -48,6 +42,7 @@ from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
+from .arguments import training_arguments
 from .callbacks import use_rich_progress
 from .data import TABLE_FORMATS
 from .plots import plot_training_curves
@@ -478,23 +473,7 @@ def train_mote(
     counts = trainable_parameters(trained)
 
     with atomic_output_dir(out, overwrite=overwrite) as staging:
-        args = TrainingArguments(
-            output_dir=str(staging / "checkpoints"),
-            max_steps=options.steps,
-            per_device_train_batch_size=options.batch_size,
-            gradient_accumulation_steps=options.gradient_accumulation_steps,
-            activation_checkpointing=options.gradient_checkpointing,
-            learning_rate=options.learning_rate,
-            weight_decay=options.weight_decay,
-            warmup_steps=options.warmup_steps,
-            lr_scheduler_type="cosine",
-            logging_steps=min(options.logging_steps, options.steps),
-            save_strategy="no",
-            report_to="none",
-            seed=options.seed,
-            remove_unused_columns=False,  # the collator reads task, prompt, answer and the media
-            use_cpu=not torch.cuda.is_available(),
-        )
+        args = training_arguments(staging / "checkpoints", options)
         curves = TrainingCurves()
         trainer = MoteTrainer(
             model=trained,
