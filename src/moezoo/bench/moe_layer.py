@@ -16,6 +16,8 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from ..kernels.native import native_library
+from ..kernels.sorted_experts import NATIVE_MAX_PAIRS_PER_EXPERT
 from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
 from ..terminal import console, print_table
 from .timing import time_round_robin
@@ -108,13 +110,16 @@ def _run(config, experts, impl, mode, hidden_states, index, weights):
     if mode == "fwd":
         with torch.no_grad():
             return (experts(hidden_states, index, weights),)
-    experts.zero_grad(set_to_none=True)
     x = hidden_states.detach().requires_grad_(True)
     w = weights.detach().requires_grad_(True)
     output = experts(x, index, w)
     # A fixed, non-uniform upstream gradient (a stride-0 one from .sum() is not what models produce).
     output.backward(torch.cos(torch.arange(output.numel(), dtype=output.dtype)).view_as(output))
-    return output.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+    results = output.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+    # Like optimizer.zero_grad() in a training step; the caller drops `results` inside the timed call, so each
+    # implementation pays for freeing its own gradients, not the previous contender's.
+    experts.zero_grad(set_to_none=True)
+    return results
 
 
 def _max_diffs(results, reference) -> tuple[float, float]:
@@ -206,4 +211,9 @@ def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str) -> 
     console.print(
         "× best transformers: time of the fastest of eager / grouped_mm / batched_mm for that row, divided by the "
         "row's time. rel |Δ|: max|Δ| / max|eager| over the output and, for fwd_bwd, every gradient."
+    )
+    native = "built for this CPU" if native_library() is not None else "unavailable (no C compiler), PyTorch path"
+    console.print(
+        f"moezoo: native C kernels {native} for fp32 SwiGLU calls with at most {NATIVE_MAX_PAIRS_PER_EXPERT} "
+        "(token, slot) pairs per expert; BLAS GEMMs per expert above that."
     )

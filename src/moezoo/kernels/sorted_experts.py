@@ -18,8 +18,15 @@ Why it is faster on the CPU than transformers' `grouped_mm` (measured by `moezoo
 `grouped_mm` is itself a loop of GEMMs, so the difference is everything around them. Buffers larger than glibc's
 mmap threshold (32 MiB) come back from the kernel as fresh pages on every allocation and are page-faulted on first
 write, which costs as much as the arithmetic on them; here every temporary of one call lives in a per-thread
-workspace that is reused from call to call, and fewer temporaries are made in the first place.
-`release_workspace()` returns that memory.
+workspace that is reused from call to call, fewer temporaries are made in the first place, and the expert weight
+gradients come from a pool that hands a buffer out again once no gradient refers to it. `release_workspace()`
+returns that memory.
+
+When each expert sees few tokens (at most `NATIVE_MAX_PAIRS_PER_EXPERT` pairs on average: decoding, short
+sequences), a GEMM per expert is bound by reading the expert's weights, and BLAS reads them twice (packing, then
+multiplying). Fused SwiGLU experts in fp32 then run on moezoo's C kernels (`native_experts.c`, built on first use
+by `native.py`), which read every weight once for the forward and once for the backward pass and write each weight
+gradient once; without a C compiler the PyTorch path above serves every call.
 
 Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
 torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
@@ -27,6 +34,7 @@ torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -34,6 +42,8 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate, grouped_mm_experts_forward
 from transformers.utils.import_utils import is_torchdynamo_compiling
+
+from .native import native_library
 
 
 IMPLEMENTATION_NAME = "moezoo"
@@ -60,9 +70,50 @@ class _Workspace(threading.local):
 _WORKSPACE = _Workspace()
 
 
+class _GradientPool:
+    """Reusable memory for the expert weight gradients (the largest tensors a backward pass makes).
+
+    A gradient handed out here is a view of a pooled buffer; autograd keeps it as `param.grad` without copying.
+    The buffer is handed out again only once nothing but the pool refers to its storage (the optimizer zeroed the
+    gradient with `set_to_none=True`, or autograd added it into an existing `.grad` and dropped it), so a gradient
+    a caller still holds is never overwritten. Without the pool every backward pass would take fresh pages from
+    the kernel for these tensors and fault each of them in, which costs as much as computing them. The pool keeps
+    as many buffers per shape as there were gradients of that shape alive at once (one per MoE layer, plus one
+    while gradients accumulate), like PyTorch's CUDA caching allocator; `release_workspace()` returns them.
+    """
+
+    def __init__(self):
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _is_free(buffer: torch.Tensor) -> bool:
+        # The pool's tensor and the temporary storage object are the only owners of a free buffer.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+    def empty_like(self, weight: torch.Tensor) -> torch.Tensor:
+        if not hasattr(torch._C, "_storage_Use_Count"):
+            return torch.empty_like(weight)
+        key = (tuple(weight.shape), weight.dtype, weight.device)
+        with self.lock:
+            buffers = self.buffers.setdefault(key, [])
+            for buffer in buffers:
+                if self._is_free(buffer):
+                    return buffer.view(buffer.shape)
+            buffer = torch.empty(key[0], dtype=weight.dtype, device=weight.device)
+            buffers.append(buffer)
+            return buffer.view(buffer.shape)
+
+
+_GRADIENT_POOL = _GradientPool()
+
+
 def release_workspace() -> None:
-    """Free the scratch memory this thread's calls have kept for reuse."""
+    """Free the scratch memory this thread's calls have kept for reuse, and the pooled weight-gradient buffers
+    that no gradient refers to any more."""
     _WORKSPACE.buffers.clear()
+    with _GRADIENT_POOL.lock:
+        _GRADIENT_POOL.buffers.clear()
 
 
 class _Segments:
@@ -77,6 +128,10 @@ class _Segments:
         self.order = torch.argsort(flat_ids, stable=True)
         self.counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         self.hit = [expert for expert, count in enumerate(self.counts) if count]
+
+    def offsets(self) -> torch.Tensor:
+        """(E + 1,) int64: expert e owns the sorted pairs offsets[e] .. offsets[e + 1]."""
+        return torch.tensor([0, *itertools.accumulate(self.counts)], dtype=torch.int64)
 
     def rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-expert row blocks of a tensor whose rows follow `order`."""
@@ -111,7 +166,7 @@ def _project_back(grad, weight, segments, transposed, out):
 
 def _weight_grad(inputs, grad, weight, segments, transposed):
     """Per expert `grad_e^T @ inputs_e` in a new gradient shaped like `weight`; experts without tokens get 0."""
-    result = torch.empty_like(weight)
+    result = _GRADIENT_POOL.empty_like(weight)
     left, right = segments.rows(inputs if transposed else grad), segments.rows(grad if transposed else inputs)
     for expert, count in enumerate(segments.counts):
         if count:
@@ -268,6 +323,98 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
     return grad_projected
 
 
+# Above this many (token, slot) pairs per expert that has any, one BLAS GEMM per expert beats the native kernels,
+# which pass over an expert's weights once per 8 pairs. Measured with `moezoo bench moe-layer --tokens 128 256 512`
+# (64 experts, top-8) on a 2-core AVX-512 VM: native ahead at 16 pairs per expert, even at 32, behind at 64.
+NATIVE_MAX_PAIRS_PER_EXPERT = 24
+
+
+def _experts_hit(top_k_index: torch.Tensor, num_experts: int) -> int:
+    return int(torch.bincount(top_k_index.reshape(-1), minlength=num_experts).count_nonzero())
+
+
+def _native_applicable(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> bool:
+    """Whether `native_experts.c` covers this call: fused SwiGLU without biases, fp32, contiguous weights in
+    transformers' layout, sizes that are multiples of 64, and few pairs per expert."""
+    hidden, width = hidden_states.shape[-1], down_weight.shape[-1]
+    return (
+        _has_fused_swiglu(module)
+        and up_bias is None
+        and not module.is_transposed
+        and hidden_states.dtype == up_weight.dtype == down_weight.dtype == torch.float32
+        and up_weight.is_contiguous()
+        and down_weight.is_contiguous()
+        and hidden % 64 == 0
+        and width % 64 == 0
+        and top_k_index.numel() <= NATIVE_MAX_PAIRS_PER_EXPERT * _experts_hit(top_k_index, down_weight.shape[0])
+        and native_library() is not None
+    )
+
+
+def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, projected):
+    """The forward pass on the native kernels; returns the output (T, H) and what the backward pass needs."""
+    num_tokens, hidden = hidden_states.shape
+    num_experts, width = down_weight.shape[0], down_weight.shape[-1]
+    segments = _Segments(top_k_index, num_experts)
+    token_of_pair = segments.order // top_k_index.shape[1]
+    offsets = segments.offsets()
+    pair_weights = top_k_weights.reshape(-1).index_select(0, segments.order).float().contiguous()
+    inputs = hidden_states.contiguous()
+    pair_out = _WORKSPACE.get("pair_states", (token_of_pair.numel(), hidden), inputs)
+    native_library().moezoo_swiglu_forward(
+        inputs.data_ptr(), hidden, width, num_experts, token_of_pair.data_ptr(), offsets.data_ptr(),
+        pair_weights.data_ptr(), up_weight.data_ptr(), down_weight.data_ptr(), projected.data_ptr(),
+        pair_out.data_ptr(), torch.get_num_threads(),
+    )
+    output = inputs.new_zeros(num_tokens, hidden).index_add_(0, token_of_pair, pair_out)
+    return output, segments, token_of_pair, offsets, pair_weights
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    """The address ctypes passes for a tensor; None (a NULL pointer) tells the kernel to skip that output."""
+    return None if tensor is None else tensor.data_ptr()
+
+
+class _NativeSwiGLUExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight):
+        projected = hidden_states.new_empty(top_k_index.numel(), up_weight.shape[-2])  # kept for the backward pass
+        output, segments, token_of_pair, offsets, pair_weights = _native_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, projected
+        )
+        ctx.save_for_backward(hidden_states, segments.order, token_of_pair, offsets, pair_weights, projected,
+                              up_weight, down_weight)
+        ctx.top_k, ctx.top_k_weights_dtype = top_k_index.shape[1], top_k_weights.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, order, token_of_pair, offsets, pair_weights, projected, up_weight, down_weight = (
+            ctx.saved_tensors
+        )
+        need_x, _, need_weights, need_up, need_down = ctx.needs_input_grad
+        num_pairs, hidden = order.numel(), hidden_states.shape[-1]
+        grad_pair_x = _WORKSPACE.get("pair_states", (num_pairs, hidden), projected) if need_x else None
+        grad_pair_weights = torch.empty(num_pairs) if need_weights else None
+        grad_up = _GRADIENT_POOL.empty_like(up_weight) if need_up else None
+        grad_down = _GRADIENT_POOL.empty_like(down_weight) if need_down else None
+        inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
+        native_library().moezoo_swiglu_backward(
+            grad_output.data_ptr(), inputs.data_ptr(), hidden, down_weight.shape[-1], down_weight.shape[0],
+            token_of_pair.data_ptr(), offsets.data_ptr(), pair_weights.data_ptr(), up_weight.data_ptr(),
+            down_weight.data_ptr(), projected.data_ptr(), _pointer(grad_pair_x), _pointer(grad_pair_weights),
+            _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
+        )
+        grad_x = grad_weights = None
+        if need_x:
+            grad_x = torch.zeros_like(inputs).index_add_(0, token_of_pair, grad_pair_x)
+        if need_weights:
+            grad_weights = torch.empty_like(grad_pair_weights)
+            grad_weights[order] = grad_pair_weights
+            grad_weights = grad_weights.view(-1, ctx.top_k).to(ctx.top_k_weights_dtype)
+        return grad_x, None, grad_weights, grad_up, grad_down
+
+
 def _unsupported(module, hidden_states: torch.Tensor) -> bool:
     return (
         hidden_states.device.type != "cpu"
@@ -289,7 +436,13 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         up_bias = module.up_proj_bias if module.has_bias else None
     down_bias = module.down_proj_bias if module.has_bias else None
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if _native_applicable(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj):
+        if needs_grad:
+            return _NativeSwiGLUExperts.apply(hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
+        projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_weight.shape[-2]), hidden_states)
+        return _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, projected)[0]
+    if needs_grad:
         return _SortedExperts.apply(*inputs, module)
     up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
     projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_features), hidden_states)

@@ -1,0 +1,104 @@
+"""Build and load `native_experts.c`, moezoo's C kernels for experts that see few tokens each.
+
+The source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) for this very CPU
+(`-march=native`) and cached under `$MOEZOO_KERNEL_CACHE` (default `~/.cache/moezoo/kernels`), keyed by the source,
+the compiler and the CPU, so a later process loads it in milliseconds. Without a compiler, or with
+`MOEZOO_NATIVE_KERNELS=0`, or in code exported to a Hub folder (remote code carries no C source),
+`native_library()` returns None and the sorted-experts implementation keeps to its PyTorch path; nothing else
+changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_experts.c")
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# GCC and Clang default to 256-bit vectors on some AVX-512 CPUs; the kernels are written for 16-float vectors.
+WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
+
+_POINTER, _SIZE, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "moezoo_swiglu_forward": [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                              _POINTER, _POINTER, _INT],
+    "moezoo_swiglu_backward": [_POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER,
+                               _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOEZOO_KERNEL_CACHE") or Path.home() / ".cache" / "moezoo" / "kernels")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_description() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    wanted = ("model name", "flags", "Features")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file next to `target`, then rename it into place (concurrent builds are safe)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        for extra in (WIDE_VECTOR_FLAGS, ()):
+            command = [compiler, *BASE_FLAGS, *extra, str(SOURCE), "-o", temporary, "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode == 0:
+                os.replace(temporary, target)
+                return
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first use; None when disabled or no C compiler can build them."""
+    if os.environ.get("MOEZOO_NATIVE_KERNELS", "1") == "0":
+        return None
+    if not SOURCE.exists():  # exported remote code: transformers copies only the .py files of a Hub folder
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("moezoo: no C compiler found; the native experts kernels are off")
+        return None
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, _compiler_version(compiler), _cpu_description(), *BASE_FLAGS]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"native_experts-{key}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as error:
+        logger.warning("moezoo: the native experts kernels could not be built or loaded (%s); using PyTorch", error)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, None
+    return library

@@ -1,0 +1,241 @@
+/*
+ * moezoo's native CPU kernels for SwiGLU experts when each expert sees only a few tokens (decoding, short
+ * sequences), fp32, weights in transformers' layout: gate_up (E, 2I, H) with gate rows first, down (E, H, I).
+ *
+ * With ~8 tokens per expert every expert's weights are read once and used 8 times, so the work is bound by
+ * streaming the weights from memory. BLAS packs each weight matrix before such a skinny product, which reads it
+ * twice; these kernels read every weight exactly once, in order, with the few token rows resident in L1:
+ *   - products with W (forward): 4 weight rows x 4 tokens accumulate in 16 vector registers along the contiguous
+ *     input dimension, then one shuffle tree reduces all 16 dot products at once;
+ *   - products with W^T (input gradients): W read row after row, two rows at a time, into 8 output rows in L1;
+ *   - weight gradients: every row written once, as the sum over the chunk's tokens of coefficient x row.
+ * Pairs are processed in chunks of 8 per expert (padded with zero rows); experts run in parallel (OpenMP).
+ *
+ * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
+ * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is
+ * tuned and tested on AVX-512 only.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define CHUNK 8                 /* token rows per pass over an expert's weights */
+#define PREFETCH_FLOATS 2048    /* how far ahead of the weight stream to prefetch (8 KiB, measured best) */
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
+static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
+
+/* A store that bypasses the cache (no read of the old line first); p must be 64-byte aligned. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline void store_streaming(float *p, vec v) { _mm512_stream_ps(p, (__m512)v); }
+static inline void streaming_done(void) { _mm_sfence(); }
+#else
+static inline void store_streaming(float *p, vec v) { store(p, v); }
+static inline void streaming_done(void) {}
+#endif
+
+/* Lanes [lo | hi] of a and b folded in half and concatenated: one level of a 16-way horizontal sum. */
+static inline vec fold(vec a, vec b, lane_index first, lane_index second) {
+    return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+}
+
+/* Lane j of the result is the sum of the 16 lanes of acc[j]. */
+static inline vec sum_each(const vec acc[16]) {
+    const lane_index h1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const lane_index h2 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const lane_index q1 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const lane_index q2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const lane_index e1 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const lane_index e2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const lane_index s1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const lane_index s2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vec halves[8], quarters[4], eighths[2];
+    for (int j = 0; j < 8; j++) halves[j] = fold(acc[2 * j], acc[2 * j + 1], h1, h2);
+    for (int j = 0; j < 4; j++) quarters[j] = fold(halves[2 * j], halves[2 * j + 1], q1, q2);
+    for (int j = 0; j < 2; j++) eighths[j] = fold(quarters[2 * j], quarters[2 * j + 1], e1, e2);
+    return fold(eighths[0], eighths[1], s1, s2);
+}
+
+/* out[t, r] = sum_k w[r, k] * x[t, k] for the CHUNK rows of x; w is (rows, depth), rows % 4 == 0, depth % 16 == 0.
+ * Four weight rows at a time (prefetched one block ahead), against four tokens at a time: 16 accumulators, and
+ * 8 loads per 16 FMAs. */
+static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
+                                    float *restrict out) {
+    for (int64_t r = 0; r < rows; r += 4) {
+        const float *w_rows = w + r * depth;
+        for (int64_t k = 0; k < 4 * depth; k += LANES) __builtin_prefetch(w_rows + k + PREFETCH_FLOATS, 0, 3);
+        for (int t0 = 0; t0 < CHUNK; t0 += 4) {
+            vec acc[16] = {0};  /* acc[row * 4 + token] */
+            for (int64_t k = 0; k < depth; k += LANES) {
+                vec xs[4];
+                for (int t = 0; t < 4; t++) xs[t] = load(x + (t0 + t) * depth + k);
+                for (int row = 0; row < 4; row++) {
+                    vec a = load(w_rows + row * depth + k);
+                    for (int t = 0; t < 4; t++) acc[row * 4 + t] += a * xs[t];
+                }
+            }
+            float sums[LANES];
+            store(sums, sum_each(acc));
+            for (int row = 0; row < 4; row++)
+                for (int t = 0; t < 4; t++) out[(t0 + t) * rows + r + row] = sums[row * 4 + t];
+        }
+    }
+}
+
+/* out[t, c] = sum_k coef[t, k] * w[k, c] for the CHUNK rows of coef; w is (depth, cols), depth % 2 == 0,
+ * cols % 16 == 0. W is read row after row (one sequential stream); the CHUNK output rows stay in L1. */
+static void times_weight(const float *restrict w, int64_t depth, int64_t cols, const float *restrict coef,
+                         float *restrict out) {
+    memset(out, 0, sizeof(float) * CHUNK * cols);
+    for (int64_t k = 0; k < depth; k += 2) {
+        const float *w0 = w + k * cols, *w1 = w0 + cols;
+        float c0[CHUNK], c1[CHUNK];
+        for (int t = 0; t < CHUNK; t++) {
+            c0[t] = coef[t * depth + k];
+            c1[t] = coef[t * depth + k + 1];
+        }
+        for (int64_t c = 0; c < cols; c += LANES) {
+            __builtin_prefetch(w0 + c + PREFETCH_FLOATS, 0, 3);
+            __builtin_prefetch(w1 + c + PREFETCH_FLOATS, 0, 3);
+            vec a = load(w0 + c), b = load(w1 + c);
+            for (int t = 0; t < CHUNK; t++) store(out + t * cols + c, load(out + t * cols + c) + c0[t] * a + c1[t] * b);
+        }
+    }
+}
+
+/* grad[r, :] = sum_{t<n} coef[t, r] * x[t, :]; coef is (n, rows), x is (n, cols), cols % 64 == 0.
+ * Every row is written once and not read again here, so a 64-byte aligned `grad` is written with streaming stores,
+ * which skip reading the old contents into the cache (half the memory traffic of ordinary stores). */
+static void outer_product(const float *restrict coef, int64_t rows, const float *restrict x, int64_t n, int64_t cols,
+                          float *restrict grad) {
+    int streaming = (uintptr_t)grad % 64 == 0 && cols % LANES == 0;
+    for (int64_t r = 0; r < rows; r++) {
+        float *grad_row = grad + r * cols;
+        for (int64_t c = 0; c < cols; c += 4 * LANES) {
+            vec acc[4] = {0};
+            for (int64_t t = 0; t < n; t++) {
+                const float *x_row = x + t * cols + c;
+                float s = coef[t * rows + r];
+                for (int j = 0; j < 4; j++) acc[j] += s * load(x_row + j * LANES);
+            }
+            for (int j = 0; j < 4; j++) {
+                if (streaming) store_streaming(grad_row + c + j * LANES, acc[j]);
+                else store(grad_row + c + j * LANES, acc[j]);
+            }
+        }
+    }
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* Rows `index[0..n)` of src (rows of `width`) into a CHUNK-row buffer, rows n.. zero. */
+static void gather_rows(const float *restrict src, const int64_t *restrict index, int64_t n, int64_t width,
+                        float *restrict out) {
+    for (int64_t t = 0; t < CHUNK; t++) {
+        if (t < n) memcpy(out + t * width, src + index[t] * width, sizeof(float) * width);
+        else memset(out + t * width, 0, sizeof(float) * width);
+    }
+}
+
+static float *scratch(int64_t floats) { return aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64); }
+
+/*
+ * Forward over S (token, slot) pairs sorted by expert; expert e owns pairs offsets[e] .. offsets[e+1].
+ *   projected[p] = W_gate_up[e] x[token_of_pair[p]]                      (S, 2I), kept for the backward pass
+ *   pair_out[p]  = W_down[e] (silu(gate) * up * pair_weights[p])         (S, H)
+ */
+void moezoo_swiglu_forward(const float *x, int64_t hidden, int64_t width, int64_t num_experts,
+                           const int64_t *token_of_pair, const int64_t *offsets, const float *pair_weights,
+                           const float *gate_up, const float *down, float *projected, float *pair_out,
+                           int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *xs = scratch(CHUNK * hidden), *h = scratch(CHUNK * 2 * width);
+        float *act = scratch(CHUNK * width), *y = scratch(CHUNK * hidden);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < num_experts; e++) {
+            const float *w_up = gate_up + e * 2 * width * hidden, *w_down = down + e * hidden * width;
+            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += CHUNK) {
+                int64_t n = offsets[e + 1] - p0 < CHUNK ? offsets[e + 1] - p0 : CHUNK;
+                gather_rows(x, token_of_pair + p0, n, hidden, xs);
+                times_weight_transposed(w_up, 2 * width, hidden, xs, h);
+                memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
+                for (int64_t t = 0; t < CHUNK; t++) {
+                    const float *gate = h + t * 2 * width, *up = gate + width;
+                    float weight = t < n ? pair_weights[p0 + t] : 0.0f;
+                    for (int64_t i = 0; i < width; i++) act[t * width + i] = gate[i] * sigmoid(gate[i]) * up[i] * weight;
+                }
+                times_weight_transposed(w_down, hidden, width, act, y);
+                memcpy(pair_out + p0 * hidden, y, sizeof(float) * n * hidden);
+            }
+        }
+        free(xs); free(h); free(act); free(y);
+    }
+}
+
+/*
+ * Backward of moezoo_swiglu_forward. Any output pointer may be NULL when that gradient is not needed:
+ *   grad_pair_x (S, H), grad_pair_weights (S,), grad_gate_up (E, 2I, H), grad_down (E, H, I).
+ * Experts without pairs get zero weight gradients.
+ */
+void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidden, int64_t width, int64_t num_experts,
+                            const int64_t *token_of_pair, const int64_t *offsets, const float *pair_weights,
+                            const float *gate_up, const float *down, const float *projected,
+                            float *grad_pair_x, float *grad_pair_weights, float *grad_gate_up, float *grad_down,
+                            int num_threads) {
+    int64_t most_pairs = 0;
+    for (int64_t e = 0; e < num_experts; e++)
+        if (offsets[e + 1] - offsets[e] > most_pairs) most_pairs = offsets[e + 1] - offsets[e];
+    int64_t rows = (most_pairs + CHUNK - 1) / CHUNK * CHUNK;  /* an expert's pairs, padded to whole chunks */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* One expert's pairs at a time: its weight gradients are then written in one pass. */
+        float *dy = scratch(rows * hidden), *xs = scratch(rows * hidden), *dx = scratch(CHUNK * hidden);
+        float *d_act = scratch(CHUNK * width), *act = scratch(rows * width);
+        float *d_projected = scratch(rows * 2 * width);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < num_experts; e++) {
+            const float *w_up = gate_up + e * 2 * width * hidden, *w_down = down + e * hidden * width;
+            int64_t first = offsets[e], n = offsets[e + 1] - first;
+            for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+                int64_t chunk = n - c0 < CHUNK ? n - c0 : CHUNK;
+                float *dy_chunk = dy + c0 * hidden, *d_projected_chunk = d_projected + c0 * 2 * width;
+                gather_rows(grad_out, token_of_pair + first + c0, chunk, hidden, dy_chunk);
+                times_weight(w_down, hidden, width, dy_chunk, d_act);   /* dL/d(weighted activation) */
+                memset(d_projected_chunk, 0, sizeof(float) * CHUNK * 2 * width);
+                for (int64_t t = 0; t < chunk; t++) {
+                    int64_t p = first + c0 + t;
+                    const float *gate = projected + p * 2 * width, *up = gate + width;
+                    float weight = pair_weights[p];
+                    double weight_grad = 0.0;  /* a sum of `width` terms of magnitude ~1: keep its rounding out */
+                    float *d_gate = d_projected_chunk + t * 2 * width, *d_up = d_gate + width;
+                    for (int64_t i = 0; i < width; i++) {
+                        float s = sigmoid(gate[i]), silu = gate[i] * s, a = silu * up[i], d = d_act[t * width + i];
+                        weight_grad += d * a;
+                        act[(c0 + t) * width + i] = a * weight;
+                        d *= weight;
+                        d_up[i] = d * silu;
+                        d_gate[i] = d * up[i] * s * (1.0f + gate[i] * (1.0f - s));
+                    }
+                    if (grad_pair_weights) grad_pair_weights[p] = (float)weight_grad;
+                }
+                if (grad_pair_x) {
+                    times_weight(w_up, 2 * width, hidden, d_projected_chunk, dx);
+                    memcpy(grad_pair_x + (first + c0) * hidden, dx, sizeof(float) * chunk * hidden);
+                }
+                if (grad_gate_up) gather_rows(x, token_of_pair + first + c0, chunk, hidden, xs + c0 * hidden);
+            }
+            if (grad_down) outer_product(dy, hidden, act, n, width, grad_down + e * hidden * width);
+            if (grad_gate_up) outer_product(d_projected, 2 * width, xs, n, hidden, grad_gate_up + e * 2 * width * hidden);
+        }
+        streaming_done();  /* order the streaming stores before anything that follows */
+        free(dy); free(xs); free(dx); free(d_act); free(act); free(d_projected);
+    }
+}

@@ -1,0 +1,185 @@
+"""moezoo's native C kernels for experts that see few tokens each, and the pooled weight gradients."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from transformers import PreTrainedConfig
+
+from moezoo.kernels import native, sorted_experts
+from moezoo.modeling.moe import MoeLayerSpec, SwiGLUExperts
+
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the native kernels")
+
+HIDDEN, WIDTH, EXPERTS, TOP_K = 128, 64, 16, 4
+
+
+def make_experts(implementation, seed=0):
+    torch.manual_seed(seed)
+    config = PreTrainedConfig()
+    config._experts_implementation = implementation
+    spec = MoeLayerSpec(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                        expert_intermediate_size=WIDTH)
+    experts = SwiGLUExperts(config, spec)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=HIDDEN**-0.5)
+        experts.down_proj.normal_(std=WIDTH**-0.5)
+    return experts
+
+
+def skewed_routing(tokens=24, seed=1):
+    """Expert 0 takes every token (three 8-pair chunks), experts 1-8 share the rest, experts 9-15 get nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    others = torch.stack([torch.randperm(8, generator=generator)[: TOP_K - 1] + 1 for _ in range(tokens)])
+    index = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), others], dim=1)
+    weights = torch.rand(tokens, TOP_K, generator=generator).softmax(-1)
+    hidden_states = torch.randn(tokens, HIDDEN, generator=generator)
+    return hidden_states, index, weights
+
+
+def assert_close(actual, expected, tolerance=1e-5):
+    """max |Δ| within `tolerance` of the scale of `expected` (at least 1): gradients summed over many tokens reach
+    magnitudes of 10-100, where fp32 rounding of any other summation order alone is ~1e-5 absolute."""
+    scale = max(1.0, float(expected.abs().max()))
+    assert float((actual - expected).abs().max()) <= tolerance * scale
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the calls into the native library, which must have been built."""
+    library = native.native_library()
+    assert library is not None, "the native kernels did not build"
+    calls = {"forward": 0, "backward": 0}
+    for direction in calls:
+        function = getattr(library, f"moezoo_swiglu_{direction}")
+
+        def counted(*args, _function=function, _direction=direction):
+            calls[_direction] += 1
+            return _function(*args)
+
+        monkeypatch.setattr(library, f"moezoo_swiglu_{direction}", counted)
+    return calls
+
+
+def forward_backward(experts, hidden_states, index, weights, upstream, input_grads=True):
+    x = hidden_states.clone().requires_grad_(input_grads)
+    w = weights.clone().requires_grad_(input_grads)
+    out = experts(x, index, w)
+    out.backward(upstream)
+    grads = {name: p.grad.clone() for name, p in experts.named_parameters() if p.grad is not None}
+    experts.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, w.grad, grads
+
+
+def test_native_kernels_equal_eager_on_outputs_and_all_gradients(native_calls):
+    reference, ours = make_experts("eager"), make_experts("moezoo")
+    hidden_states, index, weights = skewed_routing()
+    upstream = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(3))
+    expected = forward_backward(reference, hidden_states, index, weights, upstream)
+    actual = forward_backward(ours, hidden_states, index, weights, upstream)
+    assert native_calls == {"forward": 1, "backward": 1}
+    for got, want in zip(actual[:3], expected[:3]):
+        assert_close(got, want)
+    assert actual[3].keys() == expected[3].keys() == {"gate_up_proj", "down_proj"}
+    for name in expected[3]:
+        assert_close(actual[3][name], expected[3][name])
+    assert torch.count_nonzero(actual[3]["gate_up_proj"][9:]) == 0  # experts without tokens
+    with torch.no_grad():
+        assert (ours(hidden_states, index, weights) - reference(hidden_states, index, weights)).abs().max() <= 1e-6
+    assert native_calls["forward"] == 2
+
+
+def test_native_kernels_skip_gradients_nobody_needs(native_calls):
+    reference, ours = make_experts("eager"), make_experts("moezoo")
+    ours.down_proj.requires_grad_(False)
+    reference.down_proj.requires_grad_(False)
+    hidden_states, index, weights = skewed_routing()
+    upstream = torch.randn(hidden_states.shape)
+    expected = forward_backward(reference, hidden_states, index, weights, upstream, input_grads=False)
+    actual = forward_backward(ours, hidden_states, index, weights, upstream, input_grads=False)
+    assert native_calls["backward"] == 1
+    assert actual[1] is None and actual[2] is None and actual[3].keys() == {"gate_up_proj"}
+    assert_close(actual[3]["gate_up_proj"], expected[3]["gate_up_proj"])
+
+
+def test_many_tokens_per_expert_stay_on_blas(native_calls):
+    experts = make_experts("moezoo")
+    tokens = 4 * sorted_experts.NATIVE_MAX_PAIRS_PER_EXPERT * EXPERTS // TOP_K
+    with torch.no_grad():
+        experts(torch.randn(tokens, HIDDEN), torch.randint(0, EXPERTS, (tokens, TOP_K)), torch.rand(tokens, TOP_K))
+    assert native_calls["forward"] == 0
+
+
+def test_switched_off_or_unbuildable_kernels_fall_back_to_pytorch(monkeypatch, tmp_path, caplog):
+    reference = make_experts("eager")
+    hidden_states, index, weights = skewed_routing()
+    with torch.no_grad():
+        expected = reference(hidden_states, index, weights)
+    try:
+        monkeypatch.setenv("MOEZOO_NATIVE_KERNELS", "0")
+        native.native_library.cache_clear()
+        assert native.native_library() is None
+        monkeypatch.delenv("MOEZOO_NATIVE_KERNELS")
+        monkeypatch.setenv("CC", shutil.which("false"))
+        monkeypatch.setenv("MOEZOO_KERNEL_CACHE", str(tmp_path))
+        native.native_library.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="moezoo.kernels.native"):
+            assert native.native_library() is None
+        assert "could not be built" in caplog.text
+        assert list(tmp_path.iterdir()) == []  # no partial library left behind
+        with torch.no_grad():
+            assert (make_experts("moezoo")(hidden_states, index, weights) - expected).abs().max() <= 1e-6
+    finally:
+        native.native_library.cache_clear()
+
+
+def test_build_is_cached_per_source_compiler_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEZOO_KERNEL_CACHE", str(tmp_path))
+    native.native_library.cache_clear()
+    try:
+        assert native.native_library() is not None
+        (built,) = tmp_path.glob("native_experts-*.so")
+        modified = built.stat().st_mtime_ns
+        native.native_library.cache_clear()
+        assert native.native_library() is not None
+        assert built.stat().st_mtime_ns == modified and len(list(tmp_path.iterdir())) == 1
+    finally:
+        native.native_library.cache_clear()
+
+
+# --- pooled weight gradients ------------------------------------------------------------------------------------
+
+
+def test_weight_gradients_reuse_memory_but_never_overwrite_a_held_gradient():
+    sorted_experts.release_workspace()
+    experts = make_experts("moezoo")
+    hidden_states, index, weights = skewed_routing()
+
+    def backward():
+        experts(hidden_states, index, weights).square().sum().backward()
+        return experts.gate_up_proj.grad
+
+    first = backward()
+    first_pointer, held = first.data_ptr(), first.clone()
+    experts.zero_grad(set_to_none=True)  # the caller still holds `first`
+    assert backward().data_ptr() != first_pointer
+    assert torch.equal(first, held)
+    del first
+    experts.zero_grad(set_to_none=True)
+    assert backward().data_ptr() == first_pointer  # free again, so reused instead of fresh pages
+    key = (tuple(experts.gate_up_proj.shape), torch.float32, torch.device("cpu"))
+    assert len(sorted_experts._GRADIENT_POOL.buffers[key]) == 2
+
+
+def test_pooled_gradients_accumulate_like_plain_ones():
+    ours, reference = make_experts("moezoo"), make_experts("grouped_mm")
+    hidden_states, index, weights = skewed_routing()
+    for experts in (ours, reference):
+        for scale in (1.0, -0.5, 2.0):  # three micro-batches without zeroing in between
+            (experts(hidden_states * scale, index, weights).square().sum()).backward()
+    for name, parameter in ours.named_parameters():
+        assert_close(parameter.grad, reference.get_parameter(name).grad)
+    sorted_experts.release_workspace()
+    assert sorted_experts._GRADIENT_POOL.buffers == {}
