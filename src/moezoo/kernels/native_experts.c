@@ -63,15 +63,15 @@ static inline vec sum_each(const vec acc[16]) {
     return fold(eighths[0], eighths[1], s1, s2);
 }
 
-/* out[t, r] = sum_k w[r, k] * x[t, k] for the CHUNK rows of x; w is (rows, depth), rows % 4 == 0, depth % 16 == 0.
- * Four weight rows at a time (prefetched one block ahead), against four tokens at a time: 16 accumulators, and
- * 8 loads per 16 FMAs. */
+/* out[t, r] = sum_k w[r, k] * x[t, k] for the first n (rounded up to 4) of the CHUNK rows of x; w is (rows, depth),
+ * rows % 4 == 0, depth % 16 == 0. Four weight rows at a time (prefetched one block ahead), against four tokens at a
+ * time: 16 accumulators, and 8 loads per 16 FMAs. */
 static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
-                                    float *restrict out) {
+                                    int64_t n, float *restrict out) {
     for (int64_t r = 0; r < rows; r += 4) {
         const float *w_rows = w + r * depth;
         for (int64_t k = 0; k < 4 * depth; k += LANES) __builtin_prefetch(w_rows + k + PREFETCH_FLOATS, 0, 3);
-        for (int t0 = 0; t0 < CHUNK; t0 += 4) {
+        for (int t0 = 0; t0 < n; t0 += 4) {
             vec acc[16] = {0};  /* acc[row * 4 + token] */
             for (int64_t k = 0; k < depth; k += LANES) {
                 vec xs[4];
@@ -165,14 +165,15 @@ void moezoo_swiglu_forward(const float *x, int64_t hidden, int64_t width, int64_
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += CHUNK) {
                 int64_t n = offsets[e + 1] - p0 < CHUNK ? offsets[e + 1] - p0 : CHUNK;
                 gather_rows(x, token_of_pair + p0, n, hidden, xs);
-                times_weight_transposed(w_up, 2 * width, hidden, xs, h);
+                times_weight_transposed(w_up, 2 * width, hidden, xs, n, h);
                 memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
-                for (int64_t t = 0; t < CHUNK; t++) {
+                memset(act, 0, sizeof(float) * CHUNK * width);
+                for (int64_t t = 0; t < n; t++) {
                     const float *gate = h + t * 2 * width, *up = gate + width;
-                    float weight = t < n ? pair_weights[p0 + t] : 0.0f;
+                    float weight = pair_weights[p0 + t];
                     for (int64_t i = 0; i < width; i++) act[t * width + i] = gate[i] * sigmoid(gate[i]) * up[i] * weight;
                 }
-                times_weight_transposed(w_down, hidden, width, act, y);
+                times_weight_transposed(w_down, hidden, width, act, n, y);
                 memcpy(pair_out + p0 * hidden, y, sizeof(float) * n * hidden);
             }
         }
