@@ -22,7 +22,7 @@
 
 #define LANES 16
 #define CHUNK 8                 /* token rows per pass over an expert's weights */
-#define PREFETCH_FLOATS 2048    /* how far ahead of the weight stream to prefetch (8 KiB, measured best) */
+#define PREFETCH_FLOATS 2048    /* how far ahead of a row-by-row weight stream to prefetch (8 KiB, measured) */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
@@ -64,18 +64,19 @@ static inline vec sum_each(const vec acc[16]) {
 }
 
 /* out[t, r] = sum_k w[r, k] * x[t, k] for the first n (rounded up to 4) of the CHUNK rows of x; w is (rows, depth),
- * rows % 4 == 0, depth % 16 == 0. Four weight rows at a time (prefetched one block ahead), against four tokens at a
- * time: 16 accumulators, and 8 loads per 16 FMAs. */
+ * rows % 4 == 0, depth % 16 == 0. Four weight rows at a time (the block two ahead prefetched meanwhile), against
+ * four tokens at a time: 16 accumulators, and 8 loads per 16 FMAs. */
 static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
                                     int64_t n, float *restrict out) {
     for (int64_t r = 0; r < rows; r += 4) {
         const float *w_rows = w + r * depth;
-        for (int64_t k = 0; k < 4 * depth; k += LANES) __builtin_prefetch(w_rows + k + PREFETCH_FLOATS, 0, 3);
         for (int t0 = 0; t0 < n; t0 += 4) {
             vec acc[16] = {0};  /* acc[row * 4 + token] */
             for (int64_t k = 0; k < depth; k += LANES) {
                 vec xs[4];
                 for (int t = 0; t < 4; t++) xs[t] = load(x + (t0 + t) * depth + k);
+                if (t0 == 0)  /* spread over the block, into L2: a burst of prefetches would stall the loads */
+                    for (int row = 0; row < 4; row++) __builtin_prefetch(w_rows + 8 * depth + row * depth + k, 0, 1);
                 for (int row = 0; row < 4; row++) {
                     vec a = load(w_rows + row * depth + k);
                     for (int t = 0; t < 4; t++) acc[row * 4 + t] += a * xs[t];
@@ -102,8 +103,8 @@ static void times_weight(const float *restrict w, int64_t depth, int64_t cols, c
             c1[t] = coef[t * depth + k + 1];
         }
         for (int64_t c = 0; c < cols; c += LANES) {
-            __builtin_prefetch(w0 + c + PREFETCH_FLOATS, 0, 3);
-            __builtin_prefetch(w1 + c + PREFETCH_FLOATS, 0, 3);
+            __builtin_prefetch(w0 + c + PREFETCH_FLOATS, 0, 1);
+            __builtin_prefetch(w1 + c + PREFETCH_FLOATS, 0, 1);
             vec a = load(w0 + c), b = load(w1 + c);
             for (int t = 0; t < CHUNK; t++) store(out + t * cols + c, load(out + t * cols + c) + c0[t] * a + c1[t] * b);
         }
