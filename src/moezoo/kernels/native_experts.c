@@ -9,7 +9,8 @@
  *     input dimension, then one shuffle tree reduces all 16 dot products at once;
  *   - products with W^T (input gradients): W read row after row, two rows at a time, into 8 output rows in L1;
  *   - weight gradients: every row written once, as the sum over the chunk's tokens of coefficient x row.
- * Pairs are processed in chunks of 8 per expert (padded with zero rows); experts run in parallel (OpenMP).
+ * An expert's pairs go in chunks (16 in the forward, 8 in the backward pass, padded with zero rows); experts run in
+ * parallel (OpenMP).
  *
  * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
  * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is
@@ -21,7 +22,8 @@
 #include <string.h>
 
 #define LANES 16
-#define CHUNK 8                 /* token rows per pass over an expert's weights */
+#define FORWARD_CHUNK 16        /* pairs per pass over an expert's weights in the forward pass, in groups of 4 */
+#define CHUNK 8                 /* pairs per pass in the backward pass: 2 x 8 coefficients held in registers */
 #define PREFETCH_FLOATS 2048    /* how far ahead of a row-by-row weight stream to prefetch (8 KiB, measured) */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -63,7 +65,7 @@ static inline vec sum_each(const vec acc[16]) {
     return fold(eighths[0], eighths[1], s1, s2);
 }
 
-/* out[t, r] = sum_k w[r, k] * x[t, k] for the first n (rounded up to 4) of the CHUNK rows of x; w is (rows, depth),
+/* out[t, r] = sum_k w[r, k] * x[t, k] for the first n rows of x, rounded up to a multiple of 4; w is (rows, depth),
  * rows % 4 == 0, depth % 16 == 0. Four weight rows at a time (the block two ahead prefetched meanwhile), against
  * four tokens at a time: 16 accumulators, and 8 loads per 16 FMAs. */
 static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
@@ -136,10 +138,10 @@ static void outer_product(const float *restrict coef, int64_t rows, const float 
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* Rows `index[0..n)` of src (rows of `width`) into a CHUNK-row buffer, rows n.. zero. */
-static void gather_rows(const float *restrict src, const int64_t *restrict index, int64_t n, int64_t width,
-                        float *restrict out) {
-    for (int64_t t = 0; t < CHUNK; t++) {
+/* Rows `index[0..n)` of src (rows of `width`) into the first `rows` rows of out, rows n.. zero. */
+static void gather_rows(const float *restrict src, const int64_t *restrict index, int64_t n, int64_t rows,
+                        int64_t width, float *restrict out) {
+    for (int64_t t = 0; t < rows; t++) {
         if (t < n) memcpy(out + t * width, src + index[t] * width, sizeof(float) * width);
         else memset(out + t * width, 0, sizeof(float) * width);
     }
@@ -158,17 +160,18 @@ void moezoo_swiglu_forward(const float *x, int64_t hidden, int64_t width, int64_
                            int num_threads) {
     #pragma omp parallel num_threads(num_threads)
     {
-        float *xs = scratch(CHUNK * hidden), *h = scratch(CHUNK * 2 * width);
-        float *act = scratch(CHUNK * width), *y = scratch(CHUNK * hidden);
+        float *xs = scratch(FORWARD_CHUNK * hidden), *h = scratch(FORWARD_CHUNK * 2 * width);
+        float *act = scratch(FORWARD_CHUNK * width), *y = scratch(FORWARD_CHUNK * hidden);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < num_experts; e++) {
             const float *w_up = gate_up + e * 2 * width * hidden, *w_down = down + e * hidden * width;
-            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += CHUNK) {
-                int64_t n = offsets[e + 1] - p0 < CHUNK ? offsets[e + 1] - p0 : CHUNK;
-                gather_rows(x, token_of_pair + p0, n, hidden, xs);
+            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += FORWARD_CHUNK) {
+                int64_t n = offsets[e + 1] - p0 < FORWARD_CHUNK ? offsets[e + 1] - p0 : FORWARD_CHUNK;
+                int64_t padded = (n + 3) / 4 * 4;
+                gather_rows(x, token_of_pair + p0, n, padded, hidden, xs);
                 times_weight_transposed(w_up, 2 * width, hidden, xs, n, h);
                 memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
-                memset(act, 0, sizeof(float) * CHUNK * width);
+                memset(act, 0, sizeof(float) * padded * width);
                 for (int64_t t = 0; t < n; t++) {
                     const float *gate = h + t * 2 * width, *up = gate + width;
                     float weight = pair_weights[p0 + t];
@@ -209,7 +212,7 @@ void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidde
             for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
                 int64_t chunk = n - c0 < CHUNK ? n - c0 : CHUNK;
                 float *dy_chunk = dy + c0 * hidden, *d_projected_chunk = d_projected + c0 * 2 * width;
-                gather_rows(grad_out, token_of_pair + first + c0, chunk, hidden, dy_chunk);
+                gather_rows(grad_out, token_of_pair + first + c0, chunk, CHUNK, hidden, dy_chunk);
                 times_weight(w_down, hidden, width, dy_chunk, d_act);   /* dL/d(weighted activation) */
                 memset(d_projected_chunk, 0, sizeof(float) * CHUNK * 2 * width);
                 for (int64_t t = 0; t < chunk; t++) {
@@ -232,7 +235,7 @@ void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidde
                     times_weight(w_up, 2 * width, hidden, d_projected_chunk, dx);
                     memcpy(grad_pair_x + (first + c0) * hidden, dx, sizeof(float) * chunk * hidden);
                 }
-                if (grad_gate_up) gather_rows(x, token_of_pair + first + c0, chunk, hidden, xs + c0 * hidden);
+                if (grad_gate_up) gather_rows(x, token_of_pair + first + c0, chunk, CHUNK, hidden, xs + c0 * hidden);
             }
             if (grad_down) outer_product(dy, hidden, act, n, width, grad_down + e * hidden * width);
             if (grad_gate_up) outer_product(d_projected, 2 * width, xs, n, hidden, grad_gate_up + e * 2 * width * hidden);
