@@ -29,10 +29,10 @@ WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
 
 _POINTER, _SIZE, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "moezoo_swiglu_forward": [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _POINTER, _INT],
-    "moezoo_swiglu_backward": [_POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER,
-                               _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+    "moezoo_swiglu_forward": [_POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER,
+                              _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+    "moezoo_swiglu_backward": [_POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
+                               _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
 }
 
 

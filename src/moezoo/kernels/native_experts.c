@@ -138,26 +138,52 @@ static void outer_product(const float *restrict coef, int64_t rows, const float 
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* Rows `index[0..n)` of src (rows of `width`) into the first `rows` rows of out, rows n.. zero. */
-static void gather_rows(const float *restrict src, const int64_t *restrict index, int64_t n, int64_t rows,
-                        int64_t width, float *restrict out) {
+/* The input rows of pairs order[0..n) (pair slot = token * top_k + k) into the first `rows` rows of out, rows n..
+ * zero. */
+static void gather_rows(const float *restrict src, const int64_t *restrict order, int64_t top_k, int64_t n,
+                        int64_t rows, int64_t width, float *restrict out) {
     for (int64_t t = 0; t < rows; t++) {
-        if (t < n) memcpy(out + t * width, src + index[t] * width, sizeof(float) * width);
+        if (t < n) memcpy(out + t * width, src + order[t] / top_k * width, sizeof(float) * width);
         else memset(out + t * width, 0, sizeof(float) * width);
     }
+}
+
+/* out[token] = sum over its top_k slots of pair_rows[position[slot]]: each token's k expert outputs, summed in slot
+ * order (deterministic). Called inside a parallel region; tokens are shared among its threads. */
+static void sum_over_slots(const float *restrict pair_rows, const int64_t *restrict position, int64_t num_tokens,
+                           int64_t top_k, int64_t width, float *restrict out) {
+    #pragma omp for schedule(static)
+    for (int64_t token = 0; token < num_tokens; token++) {
+        float *row = out + token * width;
+        memcpy(row, pair_rows + position[token * top_k] * width, sizeof(float) * width);
+        for (int64_t k = 1; k < top_k; k++) {
+            const float *pair_row = pair_rows + position[token * top_k + k] * width;
+            for (int64_t c = 0; c < width; c++) row[c] += pair_row[c];
+        }
+    }
+}
+
+/* position[slot] = the place of `slot` in the sorted order. */
+static int64_t *positions(const int64_t *order, int64_t num_pairs) {
+    int64_t *position = malloc(sizeof(int64_t) * (num_pairs > 0 ? num_pairs : 1));
+    for (int64_t p = 0; p < num_pairs; p++) position[order[p]] = p;
+    return position;
 }
 
 static float *scratch(int64_t floats) { return aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64); }
 
 /*
- * Forward over S (token, slot) pairs sorted by expert; expert e owns pairs offsets[e] .. offsets[e+1].
- *   projected[p] = W_gate_up[e] x[token_of_pair[p]]                      (S, 2I), kept for the backward pass
- *   pair_out[p]  = W_down[e] (silu(gate) * up * pair_weights[p])         (S, H)
+ * Forward over the S = T * top_k (token, slot) pairs. `order` lists the slots (token * top_k + k) sorted by expert;
+ * expert e owns order[offsets[e] .. offsets[e+1]); routing_weights is (T, top_k).
+ *   projected[p] = W_gate_up[e] x[token]                                       (S, 2I), kept for the backward pass
+ *   pair_out[p]  = W_down[e] (silu(gate) * up * routing weight)                (S, H), scratch
+ *   out[token]   = sum of its top_k pair_out rows                              (T, H)
  */
-void moezoo_swiglu_forward(const float *x, int64_t hidden, int64_t width, int64_t num_experts,
-                           const int64_t *token_of_pair, const int64_t *offsets, const float *pair_weights,
-                           const float *gate_up, const float *down, float *projected, float *pair_out,
+void moezoo_swiglu_forward(const float *x, int64_t num_tokens, int64_t hidden, int64_t width, int64_t num_experts,
+                           int64_t top_k, const int64_t *order, const int64_t *offsets, const float *routing_weights,
+                           const float *gate_up, const float *down, float *projected, float *pair_out, float *out,
                            int num_threads) {
+    int64_t *position = positions(order, num_tokens * top_k);
     #pragma omp parallel num_threads(num_threads)
     {
         float *xs = scratch(FORWARD_CHUNK * hidden), *h = scratch(FORWARD_CHUNK * 2 * width);
@@ -168,37 +194,40 @@ void moezoo_swiglu_forward(const float *x, int64_t hidden, int64_t width, int64_
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += FORWARD_CHUNK) {
                 int64_t n = offsets[e + 1] - p0 < FORWARD_CHUNK ? offsets[e + 1] - p0 : FORWARD_CHUNK;
                 int64_t padded = (n + 3) / 4 * 4;
-                gather_rows(x, token_of_pair + p0, n, padded, hidden, xs);
+                gather_rows(x, order + p0, top_k, n, padded, hidden, xs);
                 times_weight_transposed(w_up, 2 * width, hidden, xs, n, h);
                 memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
                 memset(act, 0, sizeof(float) * padded * width);
                 for (int64_t t = 0; t < n; t++) {
                     const float *gate = h + t * 2 * width, *up = gate + width;
-                    float weight = pair_weights[p0 + t];
+                    float weight = routing_weights[order[p0 + t]];
                     for (int64_t i = 0; i < width; i++) act[t * width + i] = gate[i] * sigmoid(gate[i]) * up[i] * weight;
                 }
                 times_weight_transposed(w_down, hidden, width, act, n, y);
                 memcpy(pair_out + p0 * hidden, y, sizeof(float) * n * hidden);
             }
         }
+        sum_over_slots(pair_out, position, num_tokens, top_k, hidden, out);
         free(xs); free(h); free(act); free(y);
     }
+    free(position);
 }
 
 /*
  * Backward of moezoo_swiglu_forward. Any output pointer may be NULL when that gradient is not needed:
- *   grad_pair_x (S, H), grad_pair_weights (S,), grad_gate_up (E, 2I, H), grad_down (E, H, I).
- * Experts without pairs get zero weight gradients.
+ *   grad_x (T, H), which needs grad_pair_x (S, H) as scratch; grad_routing_weights (T, top_k);
+ *   grad_gate_up (E, 2I, H), grad_down (E, H, I). Experts without pairs get zero weight gradients.
  */
-void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidden, int64_t width, int64_t num_experts,
-                            const int64_t *token_of_pair, const int64_t *offsets, const float *pair_weights,
-                            const float *gate_up, const float *down, const float *projected,
-                            float *grad_pair_x, float *grad_pair_weights, float *grad_gate_up, float *grad_down,
-                            int num_threads) {
+void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t num_tokens, int64_t hidden, int64_t width,
+                            int64_t num_experts, int64_t top_k, const int64_t *order, const int64_t *offsets,
+                            const float *routing_weights, const float *gate_up, const float *down,
+                            const float *projected, float *grad_pair_x, float *grad_x, float *grad_routing_weights,
+                            float *grad_gate_up, float *grad_down, int num_threads) {
     int64_t most_pairs = 0;
     for (int64_t e = 0; e < num_experts; e++)
         if (offsets[e + 1] - offsets[e] > most_pairs) most_pairs = offsets[e + 1] - offsets[e];
     int64_t rows = (most_pairs + CHUNK - 1) / CHUNK * CHUNK;  /* an expert's pairs, padded to whole chunks */
+    int64_t *position = positions(order, num_tokens * top_k);
     #pragma omp parallel num_threads(num_threads)
     {
         /* One expert's pairs at a time: its weight gradients are then written in one pass. */
@@ -212,13 +241,13 @@ void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidde
             for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
                 int64_t chunk = n - c0 < CHUNK ? n - c0 : CHUNK;
                 float *dy_chunk = dy + c0 * hidden, *d_projected_chunk = d_projected + c0 * 2 * width;
-                gather_rows(grad_out, token_of_pair + first + c0, chunk, CHUNK, hidden, dy_chunk);
+                gather_rows(grad_out, order + first + c0, top_k, chunk, CHUNK, hidden, dy_chunk);
                 times_weight(w_down, hidden, width, dy_chunk, d_act);   /* dL/d(weighted activation) */
                 memset(d_projected_chunk, 0, sizeof(float) * CHUNK * 2 * width);
                 for (int64_t t = 0; t < chunk; t++) {
                     int64_t p = first + c0 + t;
                     const float *gate = projected + p * 2 * width, *up = gate + width;
-                    float weight = pair_weights[p];
+                    float weight = routing_weights[order[p]];
                     double weight_grad = 0.0;  /* a sum of `width` terms of magnitude ~1: keep its rounding out */
                     float *d_gate = d_projected_chunk + t * 2 * width, *d_up = d_gate + width;
                     for (int64_t i = 0; i < width; i++) {
@@ -229,18 +258,21 @@ void moezoo_swiglu_backward(const float *grad_out, const float *x, int64_t hidde
                         d_up[i] = d * silu;
                         d_gate[i] = d * up[i] * s * (1.0f + gate[i] * (1.0f - s));
                     }
-                    if (grad_pair_weights) grad_pair_weights[p] = (float)weight_grad;
+                    if (grad_routing_weights) grad_routing_weights[order[p]] = (float)weight_grad;
                 }
-                if (grad_pair_x) {
+                if (grad_x) {
                     times_weight(w_up, 2 * width, hidden, d_projected_chunk, dx);
                     memcpy(grad_pair_x + (first + c0) * hidden, dx, sizeof(float) * chunk * hidden);
                 }
-                if (grad_gate_up) gather_rows(x, token_of_pair + first + c0, chunk, CHUNK, hidden, xs + c0 * hidden);
+                if (grad_gate_up)
+                    gather_rows(x, order + first + c0, top_k, chunk, CHUNK, hidden, xs + c0 * hidden);
             }
             if (grad_down) outer_product(dy, hidden, act, n, width, grad_down + e * hidden * width);
             if (grad_gate_up) outer_product(d_projected, 2 * width, xs, n, hidden, grad_gate_up + e * 2 * width * hidden);
         }
+        if (grad_x) sum_over_slots(grad_pair_x, position, num_tokens, top_k, hidden, grad_x);
         streaming_done();  /* order the streaming stores before anything that follows */
         free(dy); free(xs); free(dx); free(d_act); free(act); free(d_projected);
     }
+    free(position);
 }

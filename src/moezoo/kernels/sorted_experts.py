@@ -34,7 +34,6 @@ torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
@@ -128,10 +127,6 @@ class _Segments:
         self.order = torch.argsort(flat_ids, stable=True)
         self.counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         self.hit = [expert for expert, count in enumerate(self.counts) if count]
-
-    def offsets(self) -> torch.Tensor:
-        """(E + 1,) int64: expert e owns the sorted pairs offsets[e] .. offsets[e + 1]."""
-        return torch.tensor([0, *itertools.accumulate(self.counts)], dtype=torch.int64)
 
     def rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-expert row blocks of a tensor whose rows follow `order`."""
@@ -329,15 +324,12 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
 NATIVE_MAX_PAIRS_PER_EXPERT = 24
 
 
-def _experts_hit(top_k_index: torch.Tensor, num_experts: int) -> int:
-    return int(torch.bincount(top_k_index.reshape(-1), minlength=num_experts).count_nonzero())
-
-
-def _native_applicable(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> bool:
-    """Whether `native_experts.c` covers this call: fused SwiGLU without biases, fp32, contiguous weights in
-    transformers' layout, sizes that are multiples of 64, and few pairs per expert."""
-    hidden, width = hidden_states.shape[-1], down_weight.shape[-1]
-    return (
+def _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> torch.Tensor | None:
+    """The pairs per expert (E,) when `native_experts.c` takes this call, else None. It covers fused SwiGLU without
+    biases, fp32, contiguous weights in transformers' layout, sizes that are multiples of 64, and few pairs per
+    expert."""
+    num_experts, hidden, width = down_weight.shape[0], hidden_states.shape[-1], down_weight.shape[-1]
+    if not (
         _has_fused_swiglu(module)
         and up_bias is None
         and not module.is_transposed
@@ -346,28 +338,32 @@ def _native_applicable(module, hidden_states, top_k_index, up_weight, up_bias, d
         and down_weight.is_contiguous()
         and hidden % 64 == 0
         and width % 64 == 0
-        and top_k_index.numel() <= NATIVE_MAX_PAIRS_PER_EXPERT * _experts_hit(top_k_index, down_weight.shape[0])
         and native_library() is not None
-    )
+    ):
+        return None
+    counts = torch.bincount(top_k_index.reshape(-1), minlength=num_experts)
+    few_pairs = top_k_index.numel() <= NATIVE_MAX_PAIRS_PER_EXPERT * int(counts.count_nonzero())
+    return counts if few_pairs and counts.numel() == num_experts else None
 
 
-def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, projected):
-    """The forward pass on the native kernels; returns the output (T, H) and what the backward pass needs."""
+def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts, projected):
+    """The forward pass on the native kernels (T, H); also returns the pair order and expert offsets it used, and the
+    routing weights as fp32, for the backward pass."""
     num_tokens, hidden = hidden_states.shape
     num_experts, width = down_weight.shape[0], down_weight.shape[-1]
-    segments = _Segments(top_k_index, num_experts)
-    token_of_pair = segments.order // top_k_index.shape[1]
-    offsets = segments.offsets()
-    pair_weights = top_k_weights.reshape(-1).index_select(0, segments.order).float().contiguous()
+    order = torch.argsort(top_k_index.reshape(-1), stable=True)  # slots (token * k + j) grouped by expert
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    routing_weights = top_k_weights.float().contiguous()
     inputs = hidden_states.contiguous()
-    pair_out = _WORKSPACE.get("pair_states", (token_of_pair.numel(), hidden), inputs)
+    output = torch.empty_like(inputs)
     native_library().moezoo_swiglu_forward(
-        inputs.data_ptr(), hidden, width, num_experts, token_of_pair.data_ptr(), offsets.data_ptr(),
-        pair_weights.data_ptr(), up_weight.data_ptr(), down_weight.data_ptr(), projected.data_ptr(),
-        pair_out.data_ptr(), torch.get_num_threads(),
+        inputs.data_ptr(), num_tokens, hidden, width, num_experts, top_k_index.shape[1], order.data_ptr(),
+        offsets.data_ptr(), routing_weights.data_ptr(), up_weight.data_ptr(), down_weight.data_ptr(),
+        projected.data_ptr(), _WORKSPACE.get("pair_states", (order.numel(), hidden), inputs).data_ptr(),
+        output.data_ptr(), torch.get_num_threads(),
     )
-    output = inputs.new_zeros(num_tokens, hidden).index_add_(0, token_of_pair, pair_out)
-    return output, segments, token_of_pair, offsets, pair_weights
+    return output, order, offsets, routing_weights
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -377,42 +373,35 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 class _NativeSwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts):
         projected = hidden_states.new_empty(top_k_index.numel(), up_weight.shape[-2])  # kept for the backward pass
-        output, segments, token_of_pair, offsets, pair_weights = _native_forward(
-            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, projected
+        output, order, offsets, routing_weights = _native_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts, projected
         )
-        ctx.save_for_backward(hidden_states, segments.order, token_of_pair, offsets, pair_weights, projected,
-                              up_weight, down_weight)
-        ctx.top_k, ctx.top_k_weights_dtype = top_k_index.shape[1], top_k_weights.dtype
+        ctx.save_for_backward(hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight)
+        ctx.top_k_weights_dtype = top_k_weights.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden_states, order, token_of_pair, offsets, pair_weights, projected, up_weight, down_weight = (
-            ctx.saved_tensors
-        )
-        need_x, _, need_weights, need_up, need_down = ctx.needs_input_grad
-        num_pairs, hidden = order.numel(), hidden_states.shape[-1]
-        grad_pair_x = _WORKSPACE.get("pair_states", (num_pairs, hidden), projected) if need_x else None
-        grad_pair_weights = torch.empty(num_pairs) if need_weights else None
+        hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight = ctx.saved_tensors
+        need_x, _, need_weights, need_up, need_down, _ = ctx.needs_input_grad
+        inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
+        (num_tokens, hidden), (num_experts, _, width) = inputs.shape, down_weight.shape
+        grad_x = torch.empty_like(inputs) if need_x else None
+        grad_pair_x = _WORKSPACE.get("pair_states", (order.numel(), hidden), inputs) if need_x else None
+        grad_weights = torch.empty_like(routing_weights) if need_weights else None
         grad_up = _GRADIENT_POOL.empty_like(up_weight) if need_up else None
         grad_down = _GRADIENT_POOL.empty_like(down_weight) if need_down else None
-        inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
         native_library().moezoo_swiglu_backward(
-            grad_output.data_ptr(), inputs.data_ptr(), hidden, down_weight.shape[-1], down_weight.shape[0],
-            token_of_pair.data_ptr(), offsets.data_ptr(), pair_weights.data_ptr(), up_weight.data_ptr(),
-            down_weight.data_ptr(), projected.data_ptr(), _pointer(grad_pair_x), _pointer(grad_pair_weights),
-            _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
+            grad_output.data_ptr(), inputs.data_ptr(), num_tokens, hidden, width, num_experts,
+            routing_weights.shape[1], order.data_ptr(), offsets.data_ptr(), routing_weights.data_ptr(),
+            up_weight.data_ptr(), down_weight.data_ptr(), projected.data_ptr(), _pointer(grad_pair_x),
+            _pointer(grad_x), _pointer(grad_weights), _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
         )
-        grad_x = grad_weights = None
-        if need_x:
-            grad_x = torch.zeros_like(inputs).index_add_(0, token_of_pair, grad_pair_x)
-        if need_weights:
-            grad_weights = torch.empty_like(grad_pair_weights)
-            grad_weights[order] = grad_pair_weights
-            grad_weights = grad_weights.view(-1, ctx.top_k).to(ctx.top_k_weights_dtype)
-        return grad_x, None, grad_weights, grad_up, grad_down
+        if grad_weights is not None:
+            grad_weights = grad_weights.to(ctx.top_k_weights_dtype)
+        return grad_x, None, grad_weights, grad_up, grad_down, None
 
 
 def _unsupported(module, hidden_states: torch.Tensor) -> bool:
@@ -437,11 +426,13 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     down_bias = module.down_proj_bias if module.has_bias else None
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if _native_applicable(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj):
+    counts = _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
+    if counts is not None:
+        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, counts)
         if needs_grad:
-            return _NativeSwiGLUExperts.apply(hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
+            return _NativeSwiGLUExperts.apply(*native_inputs)
         projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_weight.shape[-2]), hidden_states)
-        return _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, projected)[0]
+        return _native_forward(*native_inputs, projected)[0]
     if needs_grad:
         return _SortedExperts.apply(*inputs, module)
     up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
