@@ -319,9 +319,10 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
 
 
 # Above this many (token, slot) pairs per expert that has any, one BLAS GEMM per expert beats the native kernels,
-# which pass over an expert's weights once per 8 pairs. Measured with `moezoo bench moe-layer --tokens 128 256 512`
-# (64 experts, top-8) on a 2-core AVX-512 VM: native ahead at 16 pairs per expert, even at 32, behind at 64.
-NATIVE_MAX_PAIRS_PER_EXPERT = 24
+# whose backward pass goes over an expert's weights once per 8 pairs. Measured with `moezoo bench moe-layer --tokens
+# 256 384 512` (64 experts, top-8) on a 2-core AVX-512 VM: native ahead at 32 pairs per expert, even at 48
+# (forward + backward), behind at 64.
+NATIVE_MAX_PAIRS_PER_EXPERT = 40
 
 
 def _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> torch.Tensor | None:
