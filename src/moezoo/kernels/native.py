@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_experts.c")
@@ -28,11 +29,21 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-
 WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
 
 _POINTER, _SIZE, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "moezoo_swiglu_forward": [_POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _POINTER, _POINTER, _POINTER, _INT],
-    "moezoo_swiglu_backward": [_POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER,
-                               _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+# The C functions' parameters, in order (native_experts.c documents them).
+_PARAMETERS = {
+    "moezoo_swiglu_forward": [
+        ("x", _POINTER), ("num_tokens", _SIZE), ("hidden", _SIZE), ("width", _SIZE), ("num_experts", _SIZE),
+        ("top_k", _SIZE), ("order", _POINTER), ("offsets", _POINTER), ("routing_weights", _POINTER),
+        ("gate_up", _POINTER), ("down", _POINTER), ("projected", _POINTER), ("pair_out", _POINTER), ("out", _POINTER),
+        ("num_threads", _INT),
+    ],
+    "moezoo_swiglu_backward": [
+        ("grad_out", _POINTER), ("x", _POINTER), ("num_tokens", _SIZE), ("hidden", _SIZE), ("width", _SIZE),
+        ("num_experts", _SIZE), ("top_k", _SIZE), ("order", _POINTER), ("offsets", _POINTER),
+        ("routing_weights", _POINTER), ("gate_up", _POINTER), ("down", _POINTER), ("projected", _POINTER),
+        ("grad_pair_x", _POINTER), ("grad_x", _POINTER), ("grad_routing_weights", _POINTER),
+        ("grad_gate_up", _POINTER), ("grad_down", _POINTER), ("num_threads", _INT),
+    ],
 }
 
 
@@ -98,7 +109,7 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as error:
         logger.warning("moezoo: the native experts kernels could not be built or loaded (%s); using PyTorch", error)
         return None
-    for name, argtypes in _SIGNATURES.items():
+    for name, parameters in _PARAMETERS.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = [kind for _, kind in parameters], None
     return library

@@ -118,7 +118,7 @@ static void times_weight(const float *restrict w, int64_t depth, int64_t cols, c
  * which skip reading the old contents into the cache (half the memory traffic of ordinary stores). */
 static void outer_product(const float *restrict coef, int64_t rows, const float *restrict x, int64_t n, int64_t cols,
                           float *restrict grad) {
-    int streaming = (uintptr_t)grad % 64 == 0 && cols % LANES == 0;
+    int streaming = (uintptr_t)grad % 64 == 0;
     for (int64_t r = 0; r < rows; r++) {
         float *grad_row = grad + r * cols;
         for (int64_t c = 0; c < cols; c += 4 * LANES) {
