@@ -25,8 +25,8 @@ returns that memory.
 When each expert sees few tokens (at most `NATIVE_MAX_PAIRS_PER_EXPERT` pairs on average: decoding, short
 sequences), a GEMM per expert is bound by reading the expert's weights, and BLAS reads them twice (packing, then
 multiplying). Fused SwiGLU experts in fp32 then run on moezoo's C kernels (`native_experts.c`, built on first use
-by `native.py`), which read every weight once for the forward and once for the backward pass and write each weight
-gradient once; without a C compiler the PyTorch path above serves every call.
+by `native.py`), which read an expert's weights once per 16 of its pairs in the forward pass and once per 8 in the
+backward pass, and write each weight gradient once; without a C compiler the PyTorch path above serves every call.
 
 Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
 torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
