@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
 from transformers import PreTrainedConfig
 
 from moezoo.kernels import native, sorted_experts
@@ -102,6 +104,42 @@ def test_native_kernels_skip_gradients_nobody_needs(native_calls):
     assert native_calls["backward"] == 1
     assert actual[1] is None and actual[2] is None and actual[3].keys() == {"gate_up_proj"}
     assert_close(actual[3]["gate_up_proj"], expected[3]["gate_up_proj"])
+
+
+class ExpertsOnly(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden_states, index, weights):
+        return self.experts(hidden_states, index, weights)
+
+
+def lora_experts(implementation):
+    """Experts with LoRA adapters on both weights (PEFT `target_parameters`), initialised alike for every call."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    torch.manual_seed(5)
+    model = get_peft_model(ExpertsOnly(make_experts(implementation)), config)
+    with torch.no_grad():  # non-zero B, so that every adapter matrix gets a gradient
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def test_lora_adapters_on_the_experts_train_through_the_native_kernels(native_calls):
+    ours, reference = lora_experts("moezoo"), lora_experts("eager")
+    hidden_states, index, weights = skewed_routing()
+    upstream = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(4))
+    for model in (ours, reference):
+        model(hidden_states, index, weights).backward(upstream)
+    assert native_calls["backward"] == 1
+    reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
+    assert len(reference_grads) == 4
+    for name, parameter in ours.named_parameters():
+        if parameter.requires_grad:
+            assert_close(parameter.grad, reference_grads[name])
 
 
 def test_many_tokens_per_expert_stay_on_blas(native_calls):
