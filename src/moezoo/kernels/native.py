@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_experts.c")
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # GCC and Clang default to 256-bit vectors on some AVX-512 CPUs; the kernels are written for 16-float vectors.
 WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
 
@@ -76,7 +76,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(handle)
     try:
         for extra in (WIDE_VECTOR_FLAGS, ()):
-            command = [compiler, *BASE_FLAGS, *extra, str(SOURCE), "-o", temporary, "-lm"]
+            command = [compiler, *BASE_FLAGS, *extra, str(SOURCE), "-o", temporary]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode == 0:
                 os.replace(temporary, target)
