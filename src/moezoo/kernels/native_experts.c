@@ -9,8 +9,8 @@
  *     input dimension, then one shuffle tree reduces all 16 dot products at once;
  *   - products with W^T (input gradients): W read row after row, two rows at a time, into 8 output rows in L1;
  *   - weight gradients: every row written once, as the sum over the chunk's tokens of coefficient x row.
- * An expert's pairs go in chunks (16 in the forward, 8 in the backward pass, padded with zero rows); experts run in
- * parallel (OpenMP).
+ * An expert's pairs go in chunks (16 in the forward, 8 in the backward pass, where they are padded with zero rows);
+ * experts run in parallel (OpenMP).
  *
  * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
  * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is
@@ -64,29 +64,44 @@ static inline vec sum_each(const vec acc[16]) {
     return fold(eighths[0], eighths[1], s1, s2);
 }
 
-/* out[t, r] = sum_k w[r, k] * x[t, k] for the first n rows of x, rounded up to a multiple of 4; w is (rows, depth),
- * rows % 4 == 0, depth % 16 == 0. Four weight rows at a time (the block two ahead prefetched meanwhile), against
- * four tokens at a time: 16 accumulators, and 8 loads per 16 FMAs. */
+/* acc[row * 4 + t] += sum_k w_rows[row, k] * x[t, k] for 4 weight rows and `tokens` (1-4, a constant after
+ * inlining) rows of x; while at it, prefetches the block of 4 rows two blocks ahead, spread over the loop (a burst
+ * of prefetches would stall the loads), into L2. */
+static inline __attribute__((always_inline)) void four_rows_times_tokens(const float *restrict w_rows, int64_t depth,
+                                                                         const float *restrict x, const int tokens,
+                                                                         int prefetch, vec acc[16]) {
+    for (int64_t k = 0; k < depth; k += LANES) {
+        vec xs[4];
+        for (int t = 0; t < tokens; t++) xs[t] = load(x + t * depth + k);
+        if (prefetch)
+            for (int row = 0; row < 4; row++) __builtin_prefetch(w_rows + 8 * depth + row * depth + k, 0, 1);
+        for (int row = 0; row < 4; row++) {
+            vec a = load(w_rows + row * depth + k);
+            for (int t = 0; t < tokens; t++) acc[row * 4 + t] += a * xs[t];
+        }
+    }
+}
+
+/* out[t, r] = sum_k w[r, k] * x[t, k] for the first n rows of x; w is (rows, depth), rows % 4 == 0, depth % 16 == 0.
+ * Four weight rows at a time against four tokens at a time (16 accumulators, 8 loads per 16 FMAs), and the last
+ * 1-3 tokens without padding. */
 static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
                                     int64_t n, float *restrict out) {
     for (int64_t r = 0; r < rows; r += 4) {
         const float *w_rows = w + r * depth;
-        for (int t0 = 0; t0 < n; t0 += 4) {
-            vec acc[16] = {0};  /* acc[row * 4 + token] */
-            for (int64_t k = 0; k < depth; k += LANES) {
-                vec xs[4];
-                for (int t = 0; t < 4; t++) xs[t] = load(x + (t0 + t) * depth + k);
-                if (t0 == 0)  /* spread over the block, into L2: a burst of prefetches would stall the loads */
-                    for (int row = 0; row < 4; row++) __builtin_prefetch(w_rows + 8 * depth + row * depth + k, 0, 1);
-                for (int row = 0; row < 4; row++) {
-                    vec a = load(w_rows + row * depth + k);
-                    for (int t = 0; t < 4; t++) acc[row * 4 + t] += a * xs[t];
-                }
+        for (int64_t t0 = 0; t0 < n; t0 += 4) {
+            vec acc[16] = {0};
+            int prefetch = t0 == 0;
+            switch (n - t0) {
+                case 1: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 1, prefetch, acc); break;
+                case 2: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 2, prefetch, acc); break;
+                case 3: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 3, prefetch, acc); break;
+                default: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 4, prefetch, acc);
             }
             float sums[LANES];
             store(sums, sum_each(acc));
             for (int row = 0; row < 4; row++)
-                for (int t = 0; t < 4; t++) out[(t0 + t) * rows + r + row] = sums[row * 4 + t];
+                for (int t = 0; t < 4 && t0 + t < n; t++) out[(t0 + t) * rows + r + row] = sums[row * 4 + t];
         }
     }
 }
@@ -216,11 +231,9 @@ void moezoo_swiglu_forward(const float *x, int64_t num_tokens, int64_t hidden, i
             const float *w_up = gate_up + e * 2 * width * hidden, *w_down = down + e * hidden * width;
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += FORWARD_CHUNK) {
                 int64_t n = offsets[e + 1] - p0 < FORWARD_CHUNK ? offsets[e + 1] - p0 : FORWARD_CHUNK;
-                int64_t padded = (n + 3) / 4 * 4;
-                gather_rows(x, order + p0, top_k, n, padded, hidden, xs);
+                gather_rows(x, order + p0, top_k, n, n, hidden, xs);
                 times_weight_transposed(w_up, 2 * width, hidden, xs, n, h);
                 memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
-                memset(act, 0, sizeof(float) * padded * width);
                 for (int64_t t = 0; t < n; t++) {
                     const float *gate = h + t * 2 * width, *up = gate + width;
                     float weight = routing_weights[order[p0 + t]];
