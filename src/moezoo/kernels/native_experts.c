@@ -224,16 +224,15 @@ void moezoo_swiglu_forward(const float *x, int64_t num_tokens, int64_t hidden, i
     int64_t *position = positions(order, num_tokens * top_k);
     #pragma omp parallel num_threads(num_threads)
     {
-        float *xs = scratch(FORWARD_CHUNK * hidden), *h = scratch(FORWARD_CHUNK * 2 * width);
-        float *act = scratch(FORWARD_CHUNK * width), *y = scratch(FORWARD_CHUNK * hidden);
+        float *xs = scratch(FORWARD_CHUNK * hidden), *act = scratch(FORWARD_CHUNK * width);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < num_experts; e++) {
             const float *w_up = gate_up + e * 2 * width * hidden, *w_down = down + e * hidden * width;
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += FORWARD_CHUNK) {
                 int64_t n = offsets[e + 1] - p0 < FORWARD_CHUNK ? offsets[e + 1] - p0 : FORWARD_CHUNK;
+                float *h = projected + p0 * 2 * width;
                 gather_rows(x, order + p0, top_k, n, n, hidden, xs);
                 times_weight_transposed(w_up, 2 * width, hidden, xs, n, h);
-                memcpy(projected + p0 * 2 * width, h, sizeof(float) * n * 2 * width);
                 for (int64_t t = 0; t < n; t++) {
                     const float *gate = h + t * 2 * width, *up = gate + width;
                     float weight = routing_weights[order[p0 + t]];
@@ -242,12 +241,11 @@ void moezoo_swiglu_forward(const float *x, int64_t num_tokens, int64_t hidden, i
                         store(act + t * width + i, g * sigmoid_lanes(g) * load(up + i) * weight);
                     }
                 }
-                times_weight_transposed(w_down, hidden, width, act, n, y);
-                memcpy(pair_out + p0 * hidden, y, sizeof(float) * n * hidden);
+                times_weight_transposed(w_down, hidden, width, act, n, pair_out + p0 * hidden);
             }
         }
         sum_over_slots(pair_out, position, num_tokens, top_k, hidden, out);
-        free(xs); free(h); free(act); free(y);
+        free(xs); free(act);
     }
     free(position);
 }
