@@ -4,7 +4,8 @@
  *
  * With ~8 tokens per expert every expert's weights are read once and used 8 times, so the work is bound by
  * streaming the weights from memory. BLAS packs each weight matrix before such a skinny product, which reads it
- * twice; these kernels read every weight exactly once, in order, with the few token rows resident in L1:
+ * twice; these kernels read every weight once per chunk of an expert's pairs, in order, with the few token rows
+ * resident in L1:
  *   - products with W (forward): 4 weight rows x 4 tokens accumulate in 16 vector registers along the contiguous
  *     input dimension, then one shuffle tree reduces all 16 dot products at once;
  *   - products with W^T (input gradients): W read row after row, two rows at a time, into 8 output rows in L1;
@@ -27,7 +28,7 @@
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef int32_t int_vec __attribute__((vector_size(LANES * sizeof(int32_t))));  /* lane masks, shuffle indices */
 
 static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
@@ -43,20 +44,20 @@ static inline void streaming_done(void) {}
 #endif
 
 /* Lanes [lo | hi] of a and b folded in half and concatenated: one level of a 16-way horizontal sum. */
-static inline vec fold(vec a, vec b, lane_index first, lane_index second) {
+static inline vec fold(vec a, vec b, int_vec first, int_vec second) {
     return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
 }
 
 /* Lane j of the result is the sum of the 16 lanes of acc[j]. */
 static inline vec sum_each(const vec acc[16]) {
-    const lane_index h1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const lane_index h2 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const lane_index q1 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const lane_index q2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const lane_index e1 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const lane_index e2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const lane_index s1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const lane_index s2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const int_vec h1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const int_vec h2 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const int_vec q1 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const int_vec q2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const int_vec e1 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const int_vec e2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const int_vec s1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const int_vec s2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     vec halves[8], quarters[4], eighths[2];
     for (int j = 0; j < 8; j++) halves[j] = fold(acc[2 * j], acc[2 * j + 1], h1, h2);
     for (int j = 0; j < 4; j++) quarters[j] = fold(halves[2 * j], halves[2 * j + 1], q1, q2);
@@ -149,8 +150,6 @@ static void outer_product(const float *restrict coef, int64_t rows, const float 
         }
     }
 }
-
-typedef int32_t int_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 static inline vec select_lanes(int_vec mask, vec if_true, vec if_false) {
     return (vec)(((int_vec)if_true & mask) | ((int_vec)if_false & ~mask));
