@@ -1,6 +1,8 @@
-"""Shared helpers: running code in a fresh Python process, with or without moezoo importable."""
+"""Shared helpers: running code in a fresh Python process (with or without moezoo importable, or as two gloo
+processes), and the tiny checkpoints several test files use."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -43,6 +45,42 @@ def run_moezoo(*args, env: dict | None = None, cwd=None, timeout: int = 600) -> 
         env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **TOY_ENV, **(env or {})},
         cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on (at the time of asking)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_processes(script: Path, *args, timeout: int = 180) -> None:
+    """Run `script` (with `args`) as two processes under torchrun on this machine; fail the test if either fails."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), str(script), *map(str, args)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def tiny_moemb(tmp_path_factory):
+    """A randomly initialised tiny MoEMB folder (seed 0) with its processor."""
+    from transformers import AutoImageProcessor
+
+    from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
+    from moezoo.modeling.moemb import MoEmbForEmbedding
+    from moezoo.processors.build_moemb import make_moemb_processor
+    from moezoo.processors.moemb import MoEmbImageProcessor
+
+    config = MoEmbConfig(**TINY_MOEMB)
+    AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
+    folder = tmp_path_factory.mktemp("tiny_moemb") / "model"
+    torch.manual_seed(0)
+    MoEmbForEmbedding(config).save_pretrained(folder)
+    make_moemb_processor(config).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,7 @@ registered one.
 """
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -16,7 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 
-from conftest import TESTS, TOY_ENV, run_moezoo, run_python
+from conftest import TESTS, TOY_ENV, free_port, run_moezoo, run_python, run_two_processes
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +225,7 @@ def test_push_to_a_branch(toy_folders, fake_hub):
 
 def test_push_without_a_reachable_endpoint_fails_clearly(toy_folders, tmp_path):
     _, exported = toy_folders
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = run_moezoo("push", exported, "zoo/toy", env={"HF_ENDPOINT": f"http://127.0.0.1:{port}",
                                                           "HF_TOKEN": "hf_dummy", "HF_HOME": str(tmp_path)})
     assert result.returncode == 2
@@ -267,15 +263,7 @@ trainer = PooledNormTrainer(model=model, args=args, train_dataset=data, processi
 trainer.train()
 trainer.save_model({str(tmp_path / "trained")!r})
 """)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(script)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(script, timeout=300)
     trained = tmp_path / "trained"
     assert json.loads((trained / "config.json").read_text())["auto_map"]["AutoModel"].startswith("_fsdp")
     assert run_moezoo("export", trained, "--out", tmp_path / "repaired").returncode == 0

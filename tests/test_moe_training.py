@@ -1,18 +1,14 @@
 """The MoE core in training: PEFT LoRA on fused experts, the balancing callback, statistics, and a learning test."""
 
 import copy
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
+from conftest import run_two_processes
 from moezoo.demos.moe_core import TokenMoeModel, masked_mse
 from moezoo.modeling.moe import MoeLayerSpec, SparseMoeBlock, init_moe_module, plot_routing_heatmap, record_routing
 from moezoo.training.callbacks import RoutingBiasCallback
@@ -189,15 +185,7 @@ def test_balancing_counts_are_summed_across_processes(tmp_path):
         torch.save(router.e_score_correction_bias, sys.argv[1] + f"/bias{rank}.pt")
         dist.destroy_process_group()
     """))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(script), str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(script, tmp_path)
     bias0, bias1 = torch.load(tmp_path / "bias0.pt"), torch.load(tmp_path / "bias1.pt")
     counts = torch.tensor([6.0, 2.0, 0.0, 0.0], dtype=torch.float64)
     expected = -0.1 * (counts - counts.mean()) / counts.std(unbiased=False)

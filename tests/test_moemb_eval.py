@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoImageProcessor
 
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.evaluation.moemb import (
@@ -25,7 +24,7 @@ from moezoo.evaluation.moemb import (
 )
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.processors.build_moemb import make_moemb_processor
-from moezoo.processors.moemb import IMAGE_TOKEN, MoEmbImageProcessor
+from moezoo.processors.moemb import IMAGE_TOKEN
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 CONFIG = MoEmbConfig(**TINY_MOEMB)
@@ -35,16 +34,6 @@ COLOURS = ("red", "green", "blue", "yellow")
 @pytest.fixture(scope="module")
 def processor():
     return make_moemb_processor(CONFIG)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    torch.manual_seed(0)
-    MoEmbForEmbedding(CONFIG).save_pretrained(folder)
-    make_moemb_processor(CONFIG).save_pretrained(folder)
-    return folder
 
 
 class ColourWords(torch.nn.Module):
@@ -90,8 +79,8 @@ def test_ndcg_and_hit_at_1_follow_their_formulas():
         ndcg_at_k(scores, torch.zeros(2, 4))
 
 
-def test_embed_batches_deduplicates_and_restores_the_mode(tiny, processor):
-    model = MoEmbForEmbedding.from_pretrained(tiny).train()
+def test_embed_batches_deduplicates_and_restores_the_mode(tiny_moemb, processor):
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb).train()
     texts = ["a red circle", "a blue square", "a red circle", "a green cross", "a blue square"]
     embeddings = embed(model, processor, texts, batch_size=2, progress=False)
     assert model.training
@@ -135,12 +124,12 @@ def test_mmeb_protocol_scores_hit_at_1_per_task_and_category(processor, tmp_path
         evaluate_mmeb(ColourWords(processor), processor, tmp_path, tasks=["Missing"])
 
 
-def test_mmeb_images_and_bad_tables(tiny, processor, tmp_path):
+def test_mmeb_images_and_bad_tables(tiny_moemb, processor, tmp_path):
     data = ShapeRetrieval()
     generator = torch.Generator().manual_seed(0)
     for direction in ("image_to_text", "text_to_image"):
         data.mmeb_eval_task(direction, 3, 4, generator, tmp_path / "images").to_json(tmp_path / f"{direction}.jsonl")
-    model = MoEmbForEmbedding.from_pretrained(tiny)
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb)
     results = evaluate_mmeb(model, processor, tmp_path, progress=False)
     assert [row["category"] for row in results["tasks"]] == ["image RET", "image RET"]
     assert all(0.0 <= row["score"] <= 1.0 and row["queries"] == 3 for row in results["tasks"])
@@ -154,7 +143,7 @@ def test_mmeb_images_and_bad_tables(tiny, processor, tmp_path):
         evaluate_mmeb(model, processor, bad)
 
 
-def test_mmeb_v2_video_tasks_read_folders_of_frames(tiny, processor, tmp_path):
+def test_mmeb_v2_video_tasks_read_folders_of_frames(tiny_moemb, processor, tmp_path):
     generator = torch.Generator().manual_seed(0)
     shapes = ShapeRetrieval().shapes
     for clip, label in enumerate((0, 5)):
@@ -168,7 +157,7 @@ def test_mmeb_v2_video_tasks_read_folders_of_frames(tiny, processor, tmp_path):
         for clip in range(2)
     ]  # fmt: skip
     Dataset.from_list(rows).to_json(tmp_path / "MSR-VTT.jsonl")
-    results = evaluate_mmeb(MoEmbForEmbedding.from_pretrained(tiny), processor, tmp_path, progress=False)
+    results = evaluate_mmeb(MoEmbForEmbedding.from_pretrained(tiny_moemb), processor, tmp_path, progress=False)
     assert [(row["task"], row["category"], row["metric"], row["queries"]) for row in results["tasks"]] == [
         ("MSR-VTT", "video RET", "hit@1", 2)]
     queries, candidates = mmeb_inputs(Dataset.from_list(rows), tmp_path)
@@ -232,9 +221,9 @@ def test_mrmr_inputs_place_images_at_their_markers(tmp_path):
     assert document == {"text": None, "images": [str(tmp_path / "doc.png")]}
 
 
-def test_mrmr_with_images_and_broken_qrels(tiny, processor, tmp_path):
+def test_mrmr_with_images_and_broken_qrels(tiny_moemb, processor, tmp_path):
     ShapeRetrieval().write_mrmr_task(tmp_path / "shapes", 4, torch.Generator().manual_seed(0))
-    model = MoEmbForEmbedding.from_pretrained(tiny)
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb)
     results = evaluate_mrmr(model, processor, tmp_path, progress=False)
     assert results["tasks"][0]["queries"] == 4 and 0.0 < results["tasks"][0]["score"] <= 1.0
     with (tmp_path / "shapes" / "qrels.jsonl").open("a") as qrels:
@@ -246,16 +235,16 @@ def test_mrmr_with_images_and_broken_qrels(tiny, processor, tmp_path):
 # --- the command -----------------------------------------------------------------------------------------------------
 
 
-def test_eval_command(tiny, tmp_path, capsys):
+def test_eval_command(tiny_moemb, tmp_path, capsys):
     colour_task().to_json(tmp_path / "ImageNet-1K.jsonl")
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
-    assert run_eval(parser.parse_args(["--model", str(tiny), "--benchmark", "mmeb", "--data", str(tmp_path),
+    assert run_eval(parser.parse_args(["--model", str(tiny_moemb), "--benchmark", "mmeb", "--data", str(tmp_path),
                                        "--json", "--batch-size", "3"])) == 0  # fmt: skip
     results = json.loads(capsys.readouterr().out)
     assert results["benchmark"] == "mmeb" and results["tasks"][0]["task"] == "ImageNet-1K"
     write_colour_mrmr(tmp_path / "mrmr" / "knowledge")
-    assert run_eval(parser.parse_args(["--model", str(tiny), "--benchmark", "mrmr", "--data",
+    assert run_eval(parser.parse_args(["--model", str(tiny_moemb), "--benchmark", "mrmr", "--data",
                                        str(tmp_path / "mrmr")])) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "MRMR per subtask" in printed and "MRMR overall (mean over subtasks)" in printed

@@ -3,24 +3,20 @@
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from datasets import Dataset
 from torch.nn import functional as F
-from transformers import AutoImageProcessor, TrainingArguments
+from transformers import TrainingArguments
 
+from conftest import run_two_processes
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.evaluation.moemb import embed
 from moezoo.modeling.moe.router import TopKRouter
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.processors.build_moemb import make_moemb_processor
-from moezoo.processors.moemb import MoEmbImageProcessor, MoEmbProcessor, mmeb_input
+from moezoo.processors.moemb import MoEmbProcessor, mmeb_input
 from moezoo.training.moemb import (
     LoraOptions,
     MoEmbCollator,
@@ -41,17 +37,6 @@ from moezoo.training.moemb_synthetic import IMAGE_TO_TEXT, ShapeRetrieval
 
 CONFIG = MoEmbConfig(**TINY_MOEMB)
 EMB = TINY_MOEMB["emb_token_id"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A randomly initialised tiny MoEMB folder with its processor."""
-    AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    torch.manual_seed(0)
-    MoEmbForEmbedding(CONFIG).save_pretrained(folder)
-    make_moemb_processor(CONFIG).save_pretrained(folder)
-    return folder
 
 
 def shapes_examples(count, seed=0):
@@ -112,15 +97,7 @@ def test_info_nce_over_two_gloo_processes_equals_one_process(tmp_path):
         torch.save({"loss": loss.detach(), **gradients}, sys.argv[1] + f"/rank{rank}.pt")
         dist.destroy_process_group()
     """))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(script), str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(script, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
 
     whole = {name: tensor.clone().requires_grad_() for name, tensor in batch.items()}
@@ -133,7 +110,7 @@ def test_info_nce_over_two_gloo_processes_equals_one_process(tmp_path):
         torch.testing.assert_close(gathered, whole[name].grad)
 
 
-def test_hard_negatives_reach_the_loss(tiny):
+def test_hard_negatives_reach_the_loss(tiny_moemb):
     """MMEB rows with neg_text give every query a negative: the trainer's loss is InfoNCE over targets then
     negatives, on the model's embeddings."""
     rows = Dataset.from_dict({
@@ -143,9 +120,9 @@ def test_hard_negatives_reach_the_loss(tiny):
     })  # fmt: skip
     examples = load_mmeb_dataset(rows, negatives=True)
     assert examples[0]["negative"] == {"text": "a red square"}
-    model = MoEmbForEmbedding.from_pretrained(tiny).eval()
-    inputs = MoEmbCollator(MoEmbProcessor.from_pretrained(tiny))([examples[i] for i in range(3)])
-    args = TrainingArguments(output_dir=str(tiny.parent / "negatives"), report_to="none", use_cpu=True)
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb).eval()
+    inputs = MoEmbCollator(MoEmbProcessor.from_pretrained(tiny_moemb))([examples[i] for i in range(3)])
+    args = TrainingArguments(output_dir=str(tiny_moemb.parent / "negatives"), report_to="none", use_cpu=True)
     trainer = MoEmbTrainer(model=model, args=args, logit_scale=50.0)
     with torch.no_grad():
         loss = trainer.compute_loss(model, inputs)
@@ -157,15 +134,15 @@ def test_hard_negatives_reach_the_loss(tiny):
 # --- GradCache -------------------------------------------------------------------------------------------------------
 
 
-def test_gradcache_gives_the_gradients_of_the_whole_batch(tiny):
+def test_gradcache_gives_the_gradients_of_the_whole_batch(tiny_moemb):
     """Chunks of 2 embedded without gradients, then again with them, replaying dropout: the same loss and parameter
     gradients as embedding the chunks with gradients and back-propagating the loss at once."""
-    model = MoEmbForEmbedding.from_pretrained(tiny)
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb)
     peft_model = apply_lora(model, LoraOptions(rank=4, alpha=8, dropout=0.2)).train()
     for name, parameter in peft_model.named_parameters():
         if "lora_B" in name:  # non-zero adapters, so that LoRA's dropout changes the outputs
             torch.nn.init.normal_(parameter, std=0.1)
-    processor = MoEmbProcessor.from_pretrained(tiny)
+    processor = MoEmbProcessor.from_pretrained(tiny_moemb)
     examples = [shapes_examples(5)[i] for i in range(5)]
     inputs = MoEmbCollator(processor, chunk_size=2)(examples)
     assert [len(inputs[side]) for side in ("query", "target")] == [3, 3]
@@ -218,9 +195,9 @@ def test_lora_count_matches_the_formula(experts, groups):
     assert not any(".mlp.gate." in name for name in trainable)
 
 
-def test_lora_wiring_router_frozen_experts_train_and_merge_is_exact(tiny):
-    model = MoEmbForEmbedding.from_pretrained(tiny)
-    processor = MoEmbProcessor.from_pretrained(tiny)
+def test_lora_wiring_router_frozen_experts_train_and_merge_is_exact(tiny_moemb):
+    model = MoEmbForEmbedding.from_pretrained(tiny_moemb)
+    processor = MoEmbProcessor.from_pretrained(tiny_moemb)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch = processor(["a red circle", {"instruction": "Find it.", "images": [ShapeRetrieval().shapes.draw(
         3, torch.Generator().manual_seed(0))]}])  # fmt: skip
@@ -228,7 +205,7 @@ def test_lora_wiring_router_frozen_experts_train_and_merge_is_exact(tiny):
     peft_model = apply_lora(model, LoraOptions(rank=4, alpha=8, dropout=0.0))
     torch.testing.assert_close(peft_model(**batch).embeddings, reference)  # adapters start as the identity
 
-    args = TrainingArguments(output_dir=str(tiny.parent / "run"), max_steps=3, per_device_train_batch_size=6,
+    args = TrainingArguments(output_dir=str(tiny_moemb.parent / "run"), max_steps=3, per_device_train_batch_size=6,
                              learning_rate=5e-2, report_to="none", save_strategy="no", use_cpu=True,
                              remove_unused_columns=False, disable_tqdm=True)  # fmt: skip
     MoEmbTrainer(model=peft_model, args=args, train_dataset=shapes_examples(12),
@@ -264,14 +241,14 @@ def test_train_router_option_makes_only_the_routers_trainable_too():
 # --- the command -----------------------------------------------------------------------------------------------------
 
 
-def test_train_command_on_mmeb_files(tiny, tmp_path):
+def test_train_command_on_mmeb_files(tiny_moemb, tmp_path):
     data = ShapeRetrieval().write_mmeb_training(tmp_path / "mmeb", 16, torch.Generator().manual_seed(3))
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     args = parser.parse_args([
-        "--model", str(tiny), "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "2", "--batch-size", "4",
-        "--chunk-size", "2", "--lora-r", "2", "--lora-alpha", "4", "--expert-lora", "grouped", "--expert-lora-groups",
-        "4", "--mask-duplicate-targets", "--logging-steps", "1",
+        "--model", str(tiny_moemb), "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "2",
+        "--batch-size", "4", "--chunk-size", "2", "--lora-r", "2", "--lora-alpha", "4", "--expert-lora", "grouped",
+        "--expert-lora-groups", "4", "--mask-duplicate-targets", "--logging-steps", "1",
     ])  # fmt: skip
     assert run_train(args) == 0
     out = tmp_path / "out"
@@ -285,12 +262,12 @@ def test_train_command_on_mmeb_files(tiny, tmp_path):
     assert embed(model, MoEmbProcessor.from_pretrained(out), ["a red circle"], progress=False).shape == (1, 64)
 
 
-def test_training_data_errors(tiny, tmp_path):
+def test_training_data_errors(tiny_moemb, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"query": "a", "positive": "b"}) + "\n")
     with pytest.raises(ValueError, match="has no column 'qry'"):
         load_mmeb_dataset(tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match="fewer than one batch"):
-        train_moemb(tiny, ShapeRetrieval().training_dataset(4, torch.Generator()), tmp_path / "out",
+        train_moemb(tiny_moemb, ShapeRetrieval().training_dataset(4, torch.Generator()), tmp_path / "out",
                     MoEmbTrainingOptions(batch_size=8))  # fmt: skip
     assert not (tmp_path / "out").exists()
 
@@ -299,7 +276,7 @@ def test_training_data_errors(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_moemb_learns_synthetic_retrieval(tiny, tmp_path):
+def test_tiny_moemb_learns_synthetic_retrieval(tiny_moemb, tmp_path):
     """LoRA for 200 steps on image -> caption pairs of 16 colour-shape classes: the logged loss falls by more than
     half and image -> caption recall@1 on fresh images rises far above chance, 1/16 (spec §10 item 12); the frozen
     routers leave training unchanged."""
@@ -309,20 +286,20 @@ def test_tiny_moemb_learns_synthetic_retrieval(tiny, tmp_path):
         lora=LoraOptions(rank=8, alpha=16, dropout=0.0),
     )  # fmt: skip
     training_set = data.training_dataset(3200, torch.Generator().manual_seed(0), directions=("image_to_text",))
-    training = train_moemb(tiny, training_set, tmp_path / "trained", options)
+    training = train_moemb(tiny_moemb, training_set, tmp_path / "trained", options)
     assert training["final_loss"] < 0.5 * training["initial_loss"], training
-    before, after = recall_at_1(tiny, data), recall_at_1(tmp_path / "trained", data)
+    before, after = recall_at_1(tiny_moemb, data), recall_at_1(tmp_path / "trained", data)
     assert after >= 4 / data.num_classes and after > 2 * before, (before, after)
-    assert changed_routers(tiny, tmp_path / "trained") == []
+    assert changed_routers(tiny_moemb, tmp_path / "trained") == []
 
 
-def test_trained_routers_are_saved_with_the_merged_model(tiny, tmp_path):
+def test_trained_routers_are_saved_with_the_merged_model(tiny_moemb, tmp_path):
     data = ShapeRetrieval()
     options = MoEmbTrainingOptions(steps=2, batch_size=8, learning_rate=1e-2, warmup_steps=0, logging_steps=1,
                                    lora=LoraOptions(rank=2, alpha=4, train_router=True))  # fmt: skip
-    train_moemb(tiny, data.training_dataset(16, torch.Generator().manual_seed(0)), tmp_path / "trained", options)
-    base = MoEmbForEmbedding.from_pretrained(tiny).state_dict()
-    assert changed_routers(tiny, tmp_path / "trained") == [name for name in base if ".mlp.gate." in name]
+    train_moemb(tiny_moemb, data.training_dataset(16, torch.Generator().manual_seed(0)), tmp_path / "trained", options)
+    base = MoEmbForEmbedding.from_pretrained(tiny_moemb).state_dict()
+    assert changed_routers(tiny_moemb, tmp_path / "trained") == [name for name in base if ".mlp.gate." in name]
 
 
 def changed_routers(base_folder, trained_folder) -> list[str]:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 from . import __version__
+from .bench.timing import add_threads_argument, apply_threads
 from .terminal import error_console
 
 
@@ -384,11 +385,7 @@ def _add_bench(commands) -> None:
     moe_vie.add_argument("--layers", type=int, default=None, help="depth (default: the size's); MoE in all but block 0")
     moe_vie.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
     moe_vie.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per batch size")
-    moe_vie.add_argument(
-        "--threads", type=int, default=None,
-        help="torch CPU threads (default: torch's, one per core; on a machine shared with other jobs, fewer threads "
-        "than cores avoid threads waiting for each other at every operation)",
-    )
+    add_threads_argument(moe_vie)
     moe_vie.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     moe_vie.set_defaults(run=_run_bench_moe_vie)
 
@@ -434,10 +431,7 @@ def _run_bench_moe_vie(args) -> int:
     from .terminal import progress_bar
 
     config = moe_vie_bench_config(args.size, image_size=args.image_size, num_layers=args.layers)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moe-vie", total=len(args.batch_size))
         rows = run_moe_vie_bench(

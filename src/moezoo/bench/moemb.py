@@ -28,7 +28,7 @@ from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 from ..terminal import console, print_table, progress_bar
 from .moe_layer import DEFAULT_IMPLEMENTATIONS, check_implementations, split_runnable
-from .timing import time_round_robin
+from .timing import add_threads_argument, apply_threads, time_round_robin
 
 # "cpu": the A3B proportions (3 Gated DeltaNet layers per attention layer, fine-grained experts with a shared one,
 # top-8 of many) at a width a CPU runs in tens of milliseconds.
@@ -220,17 +220,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=224, help="square images of image+text inputs, in pixels")
     parser.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
     parser.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per kind of input")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """`moezoo bench moemb` with the options of `add_bench_arguments`."""
     config, qwen_config = bench_configs(args.size)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moemb", total=len(args.inputs))
         rows = run_moemb_bench(

@@ -28,7 +28,7 @@ from ..configuration.mote import LLAMA_3_2_1B_INSTRUCT, TINY_LLAMA, LlamaMoteCon
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.mote import LlamaMoteForCausalLM
 from ..terminal import console, print_table, progress_bar
-from .timing import time_round_robin
+from .timing import add_threads_argument, apply_threads, time_round_robin
 
 
 # Decoder sizes by name. "cpu" keeps Llama-3.2-1B's proportions (FFN 4x the width, 4 query heads per KV head) at an
@@ -151,19 +151,12 @@ def add_bench_arguments(parser) -> None:
                         help="numbers of stored experts to measure")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sample")
     parser.add_argument("--seconds", type=float, default=20.0, help="time budget for the timing rounds")
-    parser.add_argument(
-        "--threads", type=int, default=None,
-        help="torch CPU threads (default: torch's; on a machine shared with other jobs, fewer threads than cores "
-             "avoid threads waiting for each other at every operation)",
-    )  # fmt: skip
+    add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
 def run_bench(args) -> int:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     base = SIZES[args.size]
     with progress_bar(transient=True) as progress:
         task = progress.add_task("building models", total=len(args.experts))

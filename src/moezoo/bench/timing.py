@@ -1,10 +1,29 @@
 """Round-robin timing, shared by the benchmarks: one call of each contender per round and the median over rounds,
-so that the drift of a shared, noisy machine hits all of them alike."""
+so that the drift of a shared, noisy machine hits all of them alike; and the `--threads` option they all take."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Mapping
+
+import torch
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch CPU threads (default: torch's, one per core; on a machine shared with other jobs, fewer threads "
+        "than cores avoid threads waiting for each other at every operation)",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's CPU threads from `--threads`, if given."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
 
 def time_round_robin(

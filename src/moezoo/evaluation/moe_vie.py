@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from ..processors.moe_vie import RESIZE_MODES
 from ..terminal import console, print_table, progress_bar
-
+from . import positive_int
 
 # CLIP's plain prompt, then the 7 of CLIP's 80 ImageNet prompts that OpenAI's prompt-engineering notebook selected as
 # an ensemble almost as good as all 80. The paper uses PE's per-data-set templates: pass those to reproduce its numbers.
@@ -528,10 +528,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="override the processor's resizing (the paper reports the better of square and center_crop)",
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=64, metavar="N", help="inputs per forward pass (default: 64)"
+        "--batch-size", type=positive_int, default=64, metavar="N", help="inputs per forward pass (default: 64)"
     )
     parser.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="evaluate N examples (items for retrieval), spread evenly"
+        "--limit", type=positive_int, metavar="N", help="evaluate N examples (items for retrieval), spread evenly"
     )
     parser.add_argument("--device", help="where the model runs (default: cuda when available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -572,10 +572,3 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         print_evaluation(results)
     return 0
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value

@@ -31,6 +31,7 @@ import torch
 
 from ..processors.moemb import IMAGE_TOKEN, mmeb_input, normalize_input
 from ..terminal import console, print_table, progress_bar
+from . import positive_int
 
 BENCHMARKS = ("mmeb", "mrmr")
 TABLE_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -383,9 +384,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-root", metavar="DIR", help="mmeb: folder the image and video paths are relative to "
                         "(default: the data's folder); corpus tasks' paths are relative to their task folder")
     parser.add_argument("--tasks", nargs="+", metavar="TASK", help="evaluate these tasks only (default: all)")
-    parser.add_argument("--limit", type=_positive_int, metavar="N", help="the first N queries of every task")
-    parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")
-    parser.add_argument("--max-length", type=_positive_int, metavar="N", help="longest input in tokens")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="the first N queries of every task")
+    parser.add_argument("--batch-size", type=positive_int, default=16, metavar="N")
+    parser.add_argument("--max-length", type=positive_int, metavar="N", help="longest input in tokens")
     parser.add_argument("--hit-at-1-categories", nargs="+", default=list(HIT_AT_1_CATEGORIES), metavar="NAME",
                         help="mrmr: subtasks scored by Hit@1 instead of NDCG@10 (default: negation)")
     parser.add_argument("--device", help="where the model runs (default: cuda when available, else cpu)")
@@ -410,10 +411,3 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         print_evaluation(results)
     return 0
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
