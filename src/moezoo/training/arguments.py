@@ -1,7 +1,9 @@
-"""The `TrainingArguments` every `moezoo train` command starts from."""
+"""What every `moezoo train` command shares: its Trainer options on the command line, and the `TrainingArguments`
+they become."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -33,3 +35,30 @@ def training_arguments(output_dir: str | Path, options, **overrides) -> Training
         use_cpu=not torch.cuda.is_available(),
     )
     return TrainingArguments(**(arguments | overrides))
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None) -> None:
+    """The Trainer options every train command takes, with the defaults of its options dataclass (`defaults`);
+    `helps` gives some of them a help text (keyed by option name without dashes, e.g. `"lr"`)."""
+    helps = helps or {}
+    for flag, kind, default in (
+        ("--steps", int, defaults.steps),
+        ("--batch-size", int, defaults.batch_size),
+        ("--lr", float, defaults.learning_rate),
+        ("--weight-decay", float, defaults.weight_decay),
+        ("--warmup-steps", int, defaults.warmup_steps),
+        ("--gradient-accumulation-steps", int, defaults.gradient_accumulation_steps),
+        ("--seed", int, defaults.seed),
+        ("--logging-steps", int, defaults.logging_steps),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=helps.get(flag[2:].replace("-", "_")))
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+
+
+def trainer_options(args: argparse.Namespace) -> dict:
+    """The options of `add_trainer_arguments` as keyword arguments of an options dataclass."""
+    return dict(
+        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, logging_steps=args.logging_steps,
+    )

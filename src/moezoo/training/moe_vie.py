@@ -29,7 +29,7 @@ from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
 from ..terminal import console, print_table
-from .arguments import training_arguments
+from .arguments import add_trainer_arguments, trainer_options, training_arguments
 from .callbacks import RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, world
@@ -307,13 +307,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--frames-column", default="frames")
     parser.add_argument("--text-column", default="text")
     defaults = MoeVieTrainingOptions()
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    add_trainer_arguments(parser, defaults)
     parser.add_argument("--loss", choices=sorted(CONTRASTIVE_LOSSES), help="switch the model's contrastive loss")
     parser.add_argument("--image-size", type=int, help="resize images to this size (progressive resolution)")
     parser.add_argument("--video", action="store_true",
@@ -323,19 +317,14 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--train-vision-dense-mlp", action="store_true",
                         help="with --video, keep the vision tower's dense MLP (block 0) trainable")
     parser.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank, merged at the end")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
     options = MoeVieTrainingOptions(
-        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, loss_type=args.loss, image_size=args.image_size,
-        video=args.video, num_frames=args.num_frames, distill_weight=args.distill_weight,
-        freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r, seed=args.seed,
-        logging_steps=args.logging_steps,
+        **trainer_options(args), loss_type=args.loss, image_size=args.image_size, video=args.video,
+        num_frames=args.num_frames, distill_weight=args.distill_weight,
+        freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r,
     )
     training = train_moe_vie(args.model, args.data, args.out, options, image_column=args.image_column,
                              frames_column=args.frames_column, text_column=args.text_column,

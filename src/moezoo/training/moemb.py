@@ -52,7 +52,7 @@ from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
-from .arguments import training_arguments
+from .arguments import add_trainer_arguments, trainer_options, training_arguments
 from .callbacks import use_rich_progress
 from .data import TABLE_FORMATS
 from .distributed import all_gather_with_grad, world
@@ -514,16 +514,12 @@ def add_train_arguments(parser) -> None:
                              "pos_image_path (and neg_text, neg_image_path), or a folder of such files, one per task")
     parser.add_argument("--out", required=True)
     parser.add_argument("--image-root", help="folder the image paths are relative to (default: the data's folder)")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                        help="pairs per process; all processes' targets are every query's negatives")
+    add_trainer_arguments(parser, defaults, helps={
+        "batch_size": "pairs per process; all processes' targets are every query's negatives",
+        "lr": "peak learning rate (default: the recipe's)",
+    })
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=defaults.recipe,
                         help="stated: peak LR 1e-4 (the paper's headline); tuned: 5e-5 (its Fig. 6)")
-    parser.add_argument("--lr", type=float, help="peak learning rate (default: the recipe's)")
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--chunk-size", type=int,
                         help="GradCache: embed the batch in chunks of this many inputs (same gradients, less memory)")
     parser.add_argument("--max-length", type=int, help="longest input in tokens (default: the processor's)")
@@ -545,20 +541,13 @@ def add_train_arguments(parser) -> None:
     router.add_argument("--freeze-router", dest="train_router", action="store_false",
                         help="(default: the config's router_trainable, frozen for native MoE)")
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
     options = MoEmbTrainingOptions(
-        steps=args.steps, batch_size=args.batch_size, recipe=args.recipe, learning_rate=args.lr,
-        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing,
-        chunk_size=args.chunk_size, max_length=args.max_length, negatives=args.negatives,
-        mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16, seed=args.seed,
-        logging_steps=args.logging_steps,
+        **trainer_options(args), recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
+        negatives=args.negatives, mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16,
         lora=LoraOptions(rank=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, experts=args.expert_lora,
                          expert_groups=args.expert_lora_groups, target_gdn=args.lora_target_gdn,
                          train_router=args.train_router),

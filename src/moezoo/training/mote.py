@@ -42,7 +42,7 @@ from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
-from .arguments import training_arguments
+from .arguments import add_trainer_arguments, trainer_options, training_arguments
 from .callbacks import use_rich_progress
 from .data import TABLE_FORMATS
 from .plots import plot_training_curves
@@ -522,13 +522,7 @@ def add_train_arguments(parser) -> None:
                              "image")
     parser.add_argument("--out", required=True)
     defaults = MoteTrainingOptions()
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=defaults.gradient_accumulation_steps)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    add_trainer_arguments(parser, defaults)
     parser.add_argument("--lora-r", type=int, default=0,
                         help="joint training with LoRA of this rank on attention (the paper's recipe), merged at the "
                              "end; 0 trains the decoder in full")
@@ -542,19 +536,13 @@ def add_train_arguments(parser) -> None:
                         help="with --init-from dense: the dense model's folder or Hub id (default: the one the model "
                              "was converted from)")
     parser.add_argument("--description", default=None, help="with --add-expert: its description for route selection")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--logging-steps", type=int, default=defaults.logging_steps)
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
     options = MoteTrainingOptions(
-        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r, tasks=tuple(args.tasks),
-        add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
-        seed=args.seed,
-        logging_steps=args.logging_steps,
+        **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), add_expert=args.add_expert,
+        init_from=args.init_from, base_model=args.base_model, description=args.description,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
