@@ -32,6 +32,9 @@ def test_bench_moe_layer_json_rows():
         assert {"impl", "tokens", "mode", "ms", "pct_of_matmul_peak", "max_abs_diff_vs_eager"} <= row.keys()
         assert row["ms"] > 0 and 0 < row["pct_of_matmul_peak"]
         assert row["max_abs_diff_vs_eager"] <= 1e-5
+        # error against eager in float64: eager's own is fp32 rounding, and nobody is far from it
+        assert 0 < row["max_abs_err_vs_fp64"] <= 1e-5
+        assert row["weights_read_ms"] > 0
         if row["impl"] == "eager":
             assert row["max_abs_diff_vs_eager"] == 0
 
@@ -42,3 +45,24 @@ def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys):
     assert "unknown experts implementation 'fastest'" in err and "Traceback" not in err
     assert main(["bench", "moe-layer", "--tokens", "8", "--top-k", "99", "--json"]) == 2
     assert "num_experts_per_tok" in capsys.readouterr().err
+
+
+def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkeypatch):
+    import torch
+
+    import moezoo.bench.moe_layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "last_level_cache_bytes", lambda: 100_000)
+    config, layers, exact = moe_layer._make_layers(8, 2, 32, 16, torch.float32, seed=0)
+    layer_bytes = sum(p.nbytes for p in layers[0].parameters())
+    assert len(layers) == 5 and len(layers) * layer_bytes >= 1.5 * 100_000
+    pointers = {p.data_ptr() for layer in layers for p in layer.parameters()}
+    assert len(pointers) == 2 * len(layers)
+    for layer in [*layers, exact]:
+        assert layer.config is config
+        torch.testing.assert_close(layer.gate_up_proj.double(), exact.gate_up_proj, rtol=0, atol=0)
+        torch.testing.assert_close(layer.down_proj.double(), exact.down_proj, rtol=0, atol=0)
+    assert exact.gate_up_proj.dtype == torch.float64
+
+    monkeypatch.setattr(moe_layer, "last_level_cache_bytes", lambda: 2**40)
+    assert len(moe_layer._make_layers(8, 2, 32, 16, torch.float32, seed=0)[1]) == moe_layer.MAX_LAYER_COPIES

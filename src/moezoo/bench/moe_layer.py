@@ -1,12 +1,20 @@
 """`moezoo bench moe-layer`: every experts implementation on identical weights, timed in one run.
 
-Implementations are timed round-robin (one call of each per round, median over rounds) so that the drift of a
-shared, noisy machine hits all of them alike; a dense matmul measured in the same run gives the peak against
-which each row's throughput is expressed.
+Implementations are timed round-robin (one call of each per round, in a shuffled order, median over rounds) so that
+the drift of a shared, noisy machine hits all of them alike. In a model, a layer's expert weights (100 MB on the
+default shape) come from memory, since all the layers' weights do not fit in the caches, while buffers reused from
+layer to layer stay in them: so every call takes the next of several identical copies of the layer, as many as
+exceed the last-level cache together, and finds its weights where a model's layer would, whichever implementation ran
+before it. Measured in the same run: a dense matmul peak, against which each row's throughput is expressed, and the
+time to read the weights of the experts a case hits once, which no implementation can beat when each expert sees
+only a few tokens. Accuracy is measured against `eager`, and against `eager` in float64 (the exact result up to
+float64 rounding) so that each implementation's error stands beside `eager`'s own.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -20,7 +28,7 @@ from ..kernels.native import native_library
 from ..kernels.sorted_experts import NATIVE_MAX_PAIRS_PER_EXPERT
 from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
 from ..terminal import console, print_table
-from .timing import time_round_robin
+from .timing import last_level_cache_bytes, time_round_robin
 
 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
@@ -28,6 +36,8 @@ DEFAULT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", SORTED_EXPERTS_I
 MODES = ("fwd", "fwd_bwd")
 # batched_mm materialises one weight matrix per (token, slot) pair; rows that would need more are skipped.
 BATCHED_MM_MEMORY_LIMIT_BYTES = 3 * 2**30
+# The most copies of the layer the timed calls cycle through (small layers fit in the caches however many there are).
+MAX_LAYER_COPIES = 16
 
 
 @dataclass
@@ -42,7 +52,11 @@ class BenchRow:
     # max over the compared tensors of max|Δ| / max|eager|: gradients of magnitude ~10-40 (routing weights, expert
     # weights summed over many tokens) differ by ~1e-5 in absolute terms from any change of summation order.
     max_rel_diff_vs_eager: float | None = None
+    # max|Δ| against eager run in float64 on the same weights and inputs: eager's own row is its rounding error.
+    max_abs_err_vs_fp64: float | None = None
     speedup_vs_best_transformers: float | None = None
+    # time to read the weights of the experts this case hits once, from memory (a sum over them), in ms
+    weights_read_ms: float | None = None
     note: str = ""
 
 
@@ -82,7 +96,9 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, re
     return 2 * size**3 / best / 1e9
 
 
-def _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed):
+def _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed):
+    """The config all implementations are selected on, identical copies of the experts (enough of them to exceed the
+    last-level cache together, at most `MAX_LAYER_COPIES`), and a float64 copy (same config, same weights)."""
     torch.manual_seed(seed)
     config = PreTrainedConfig()
     spec = MoeLayerSpec(
@@ -92,7 +108,31 @@ def _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed):
     with torch.no_grad():
         experts.gate_up_proj.normal_(std=hidden**-0.5)
         experts.down_proj.normal_(std=expert_width**-0.5)
-    return config, experts
+    weight_bytes = sum(parameter.nbytes for parameter in experts.parameters())
+    count = max(2, min(MAX_LAYER_COPIES, math.ceil(1.5 * last_level_cache_bytes() / weight_bytes) + 1))
+    layers = [experts] + [_copy(config, spec, experts, dtype) for _ in range(count - 1)]
+    return config, layers, _copy(config, spec, experts, torch.float64)
+
+
+def _copy(config, spec, experts, dtype):
+    copy = SwiGLUExperts(config, spec).to(dtype)
+    copy.load_state_dict(experts.state_dict())
+    return copy
+
+
+def measure_weights_read_ms(layers: Sequence[torch.nn.Module], repeats: int = 5) -> float:
+    """Median ms to read one layer's weights once (a sum over each), cycling through the layers so that each read
+    comes from memory."""
+    weights = itertools.cycle([[p.detach() for p in layer.parameters()] for layer in layers])
+    times = []
+    for _ in range(max(repeats, len(layers) + 1)):
+        layer_weights = next(weights)
+        start = time.perf_counter()
+        for weight in layer_weights:
+            weight.sum()
+        times.append(time.perf_counter() - start)
+    times = times[len(layers):] or times  # the first pass over the layers may find some of them in the caches
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed):
@@ -122,10 +162,17 @@ def _run(config, experts, impl, mode, hidden_states, index, weights):
     return results
 
 
-def _max_diffs(results, reference) -> tuple[float, float]:
-    absolute = [float((a.float() - b.float()).abs().max()) for a, b in zip(results, reference)]
-    relative = [diff / max(float(b.float().abs().max()), 1e-30) for diff, b in zip(absolute, reference)]
-    return max(absolute), max(relative)
+def _run_next(config, next_layer, impl, mode, hidden_states, index, weights):
+    """`_run` on the next copy of the layer."""
+    return _run(config, next_layer(), impl, mode, hidden_states, index, weights)
+
+
+def _max_diffs(results, reference, exact) -> tuple[float, float, float]:
+    """max|Δ| against the eager results, the same relative to the largest eager value, and max|Δ| against float64."""
+    absolute = [float((a.double() - b.double()).abs().max()) for a, b in zip(results, reference)]
+    relative = [diff / max(float(b.double().abs().max()), 1e-30) for diff, b in zip(absolute, reference)]
+    error = [float((a.double() - b).abs().max()) for a, b in zip(results, exact)]
+    return max(absolute), max(relative), max(error)
 
 
 def run_moe_layer_bench(
@@ -147,25 +194,33 @@ def run_moe_layer_bench(
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     check_implementations(implementations)
-    config, experts = _make_experts(num_experts, top_k, hidden, expert_width, dtype, seed)
+    config, layers, exact = _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed)
+    experts, next_layer = layers[0], itertools.cycle(layers).__next__
     peak = measure_matmul_peak(dtype)
+    all_weights_read_ms = measure_weights_read_ms(layers)
     element_size = torch.empty((), dtype=dtype).element_size()
     rows: list[BenchRow] = []
     for num_tokens in tokens:
         hidden_states, index, weights = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
         pairs = num_tokens * top_k
+        weights_read_ms = all_weights_read_ms * index.unique().numel() / num_experts
         forward_flops = 6 * pairs * hidden * expert_width
         for mode in modes:
             runnable, skipped = split_runnable(
                 implementations, pairs, hidden, expert_width, element_size, passes=2 if mode == "fwd_bwd" else 1
             )
             reference = _run(config, experts, "eager", mode, hidden_states, index, weights)
+            exact_results = _run(config, exact, "eager", mode, hidden_states.double(), index, weights.double())
             diffs = {
-                impl: _max_diffs(_run(config, experts, impl, mode, hidden_states, index, weights), reference)
+                impl: _max_diffs(
+                    _run(config, experts, impl, mode, hidden_states, index, weights), reference, exact_results
+                )
                 for impl in runnable
             }
+            del reference, exact_results
             timings = time_round_robin(
-                {impl: partial(_run, config, experts, impl, mode, hidden_states, index, weights) for impl in runnable},
+                {impl: partial(_run_next, config, next_layer, impl, mode, hidden_states, index, weights)
+                 for impl in runnable},
                 seconds_per_case,
                 max_rounds,
             )
@@ -173,12 +228,15 @@ def run_moe_layer_bench(
             case_rows = []
             for impl in implementations:
                 if impl in skipped:
-                    case_rows.append(BenchRow(impl, num_tokens, mode, None, None, None, None, note=skipped[impl]))
+                    case_rows.append(BenchRow(impl, num_tokens, mode, None, None, None, None, note=skipped[impl],
+                                              weights_read_ms=weights_read_ms))
                     continue
                 seconds = timings[impl]
                 gflops = flops / seconds / 1e9
+                max_diff, max_rel_diff, max_error = diffs[impl]
                 case_rows.append(
-                    BenchRow(impl, num_tokens, mode, seconds * 1e3, gflops, 100 * gflops / peak, *diffs[impl])
+                    BenchRow(impl, num_tokens, mode, seconds * 1e3, gflops, 100 * gflops / peak, max_diff,
+                             max_rel_diff, max_error, weights_read_ms=weights_read_ms)
                 )
             best = min(
                 (row.ms for row in case_rows if row.impl in TRANSFORMERS_IMPLEMENTATIONS and row.ms is not None),
@@ -201,16 +259,23 @@ def rows_as_dicts(rows: Sequence[BenchRow]) -> list[dict]:
 def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str) -> None:
     print_table(
         f"{title}; dense matmul peak {peak:.0f} GFLOP/s",
-        ["impl", "tokens", "mode", "ms", "GFLOP/s", "% of peak", "max |Δ| vs eager", "rel |Δ|", "× best transformers"],
+        ["impl", "tokens", "mode", "ms", "GFLOP/s", "% of peak", "max |Δ| vs eager", "rel |Δ|", "max |Δ| vs fp64",
+         "× best transformers"],
         [
             [r.impl, r.tokens, r.mode, r.ms, r.gflops, r.pct_of_matmul_peak, r.max_abs_diff_vs_eager,
-             r.max_rel_diff_vs_eager, r.note or r.speedup_vs_best_transformers]
+             r.max_rel_diff_vs_eager, r.max_abs_err_vs_fp64, r.note or r.speedup_vs_best_transformers]
             for r in rows
         ],
     )
+    read_floors = {r.tokens: r.weights_read_ms for r in rows}
     console.print(
         "× best transformers: time of the fastest of eager / grouped_mm / batched_mm for that row, divided by the "
-        "row's time. rel |Δ|: max|Δ| / max|eager| over the output and, for fwd_bwd, every gradient."
+        "row's time. rel |Δ|: max|Δ| / max|eager| over the output and, for fwd_bwd, every gradient. vs fp64: against "
+        "eager in float64 on the same weights (eager's row is its own rounding error). Each call takes the next of "
+        "identical copies of the layer that together exceed the last-level cache, as a model's layers do. Reading "
+        "the weights of the experts hit once takes "
+        + ", ".join(f"{ms:.2f} ms at {tokens} tokens" for tokens, ms in read_floors.items())
+        + " (a sum over them, this run): no implementation's forward pass can be faster."
     )
     native = "built for this CPU" if native_library() is not None else "unavailable (no C compiler), PyTorch path"
     console.print(

@@ -1,11 +1,14 @@
 """Round-robin timing, shared by the benchmarks: one call of each contender per round and the median over rounds,
-so that the drift of a shared, noisy machine hits all of them alike; and the `--threads` option they all take."""
+so that the drift of a shared, noisy machine hits all of them alike; the size of the CPU's last-level cache; and the
+`--threads` option they all take."""
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -27,18 +30,39 @@ def apply_threads(args: argparse.Namespace) -> None:
 
 
 def time_round_robin(
-    calls: Mapping[str, Callable[[], object]], seconds: float, max_rounds: int, min_rounds: int = 3
+    calls: Mapping[str, Callable[[], object]],
+    seconds: float,
+    max_rounds: int,
+    min_rounds: int = 3,
 ) -> dict[str, float]:
     """Median seconds per call of each named call: at least `min_rounds` rounds, then more until `seconds` have
-    passed or `max_rounds` are done. Run every call once beforehand (an accuracy check, a warm-up) so that no round
-    is a cold start."""
-    samples: dict[str, list[float]] = {name: [] for name in calls}
+    passed or `max_rounds` are done. Each round runs the calls in a new order (shuffled, seeded), so that no call
+    always follows the same one and finds the caches as that one left them. Run every call once beforehand (an
+    accuracy check, a warm-up) so that no round is a cold start."""
+    names = list(calls)
+    shuffler = random.Random(0)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     started = time.perf_counter()
     rounds = 0
     while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - started < seconds):
-        for name, call in calls.items():
+        shuffler.shuffle(names)
+        for name in names:
             start = time.perf_counter()
-            call()
+            calls[name]()
             samples[name].append(time.perf_counter() - start)
         rounds += 1
     return {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
+
+
+def last_level_cache_bytes(
+    cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache"), default: int = 64 * 2**20
+) -> int:
+    """The size of the largest CPU cache Linux reports for CPU 0 (`default` where sysfs does not say)."""
+    sizes = []
+    for size_file in cache_dir.glob("index*/size"):
+        text = size_file.read_text().strip()
+        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            sizes.append(int(digits) * multiplier)
+    return max(sizes, default=default)
