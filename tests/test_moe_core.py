@@ -168,10 +168,13 @@ def test_bias_selects_but_never_weights():
 # --- every implementation agrees ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("expert_type,hidden_act", [("swiglu", "silu"), ("gelu", "gelu_pytorch_tanh"), ("swiglu", "gelu")])
+# width 32: moezoo's native SwiGLU row kernels (widths that are multiples of 16) between its BLAS GEMMs
+@pytest.mark.parametrize("expert_type,hidden_act,width", [
+    ("swiglu", "silu", 20), ("swiglu", "silu", 32), ("gelu", "gelu_pytorch_tanh", 20), ("swiglu", "gelu", 20),
+])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS[1:])
-def test_implementations_agree_on_outputs_and_gradients(implementation, expert_type, hidden_act):
-    spec = MoeLayerSpec(hidden_size=24, num_experts=9, num_experts_per_tok=3, expert_intermediate_size=20,
+def test_implementations_agree_on_outputs_and_gradients(implementation, expert_type, hidden_act, width):
+    spec = MoeLayerSpec(hidden_size=24, num_experts=9, num_experts_per_tok=3, expert_intermediate_size=width,
                         expert_type=expert_type, hidden_act=hidden_act, router_type="sigmoid")
     reference = randomize(SparseMoeBlock(experts_config("eager"), spec, layer_idx=0), seed=7)
     ours = copy.deepcopy(reference)

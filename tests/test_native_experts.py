@@ -50,19 +50,36 @@ def assert_close(actual, expected, tolerance=1e-5):
 
 @pytest.fixture
 def native_calls(monkeypatch):
-    """Counts the calls into the native library, which must have been built."""
+    """Counts the calls into each function of the native library (by name without `moezoo_`), which must have been
+    built."""
     library = native.native_library()
     assert library is not None, "the native kernels did not build"
-    calls = {"forward": 0, "backward": 0}
-    for direction in calls:
-        function = getattr(library, f"moezoo_swiglu_{direction}")
+    calls = {name.removeprefix("moezoo_"): 0 for name in native._PARAMETERS}
 
-        def counted(*args, _function=function, _direction=direction):
-            calls[_direction] += 1
-            return _function(*args)
+    def counting(function, short_name):
+        def counted(*args):
+            calls[short_name] += 1
+            return function(*args)
 
-        monkeypatch.setattr(library, f"moezoo_swiglu_{direction}", counted)
+        return counted
+
+    for name in native._PARAMETERS:
+        monkeypatch.setattr(library, name, counting(getattr(library, name), name.removeprefix("moezoo_")))
     return calls
+
+
+def only(calls, **expected):
+    """`calls` with every function not named in `expected` at zero."""
+    return calls == {name: expected.get(name, 0) for name in calls}
+
+
+def many_tokens_routing(seed=2):
+    """Random routing with ~4x the pairs per expert above which the native expert kernels hand over to BLAS."""
+    tokens = 4 * sorted_experts.NATIVE_MAX_PAIRS_PER_EXPERT * EXPERTS // TOP_K
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=generator).softmax(-1)
+    return torch.randn(tokens, HIDDEN, generator=generator), index, weights
 
 
 def forward_backward(experts, hidden_states, index, weights, upstream, input_grads=True):
@@ -75,33 +92,43 @@ def forward_backward(experts, hidden_states, index, weights, upstream, input_gra
     return out.detach(), x.grad, w.grad, grads
 
 
-def test_native_kernels_equal_eager_on_outputs_and_all_gradients(native_calls):
+def run_both_and_compare(routing, seed):
+    """Forward and backward through eager's experts and moezoo's on `routing`: outputs and all four gradients agree.
+    Returns moezoo's experts, eager's, and moezoo's weight gradients."""
     reference, ours = make_experts("eager"), make_experts("moezoo")
-    hidden_states, index, weights = skewed_routing()
-    upstream = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(3))
+    hidden_states, index, weights = routing()
+    upstream = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(seed))
     expected = forward_backward(reference, hidden_states, index, weights, upstream)
     actual = forward_backward(ours, hidden_states, index, weights, upstream)
-    assert native_calls == {"forward": 1, "backward": 1}
     for got, want in zip(actual[:3], expected[:3]):
         assert_close(got, want)
     assert actual[3].keys() == expected[3].keys() == {"gate_up_proj", "down_proj"}
     for name in expected[3]:
         assert_close(actual[3][name], expected[3][name])
-    assert torch.count_nonzero(actual[3]["gate_up_proj"][9:]) == 0  # experts without tokens
+    return ours, reference, actual[3]
+
+
+def test_native_kernels_equal_eager_on_outputs_and_all_gradients(native_calls):
+    ours, reference, weight_grads = run_both_and_compare(skewed_routing, seed=3)
+    assert only(native_calls, swiglu_forward=1, swiglu_backward=1)
+    assert torch.count_nonzero(weight_grads["gate_up_proj"][9:]) == 0  # experts without tokens
+    hidden_states, index, weights = skewed_routing()
     with torch.no_grad():
         assert (ours(hidden_states, index, weights) - reference(hidden_states, index, weights)).abs().max() <= 1e-6
-    assert native_calls["forward"] == 2
+    assert native_calls["swiglu_forward"] == 2
 
 
-def test_native_kernels_skip_gradients_nobody_needs(native_calls):
+@pytest.mark.parametrize("routing,backward", [(skewed_routing, "swiglu_backward"),
+                                               (many_tokens_routing, "swiglu_pairs_backward")])
+def test_native_kernels_skip_gradients_nobody_needs(native_calls, routing, backward):
     reference, ours = make_experts("eager"), make_experts("moezoo")
     ours.down_proj.requires_grad_(False)
     reference.down_proj.requires_grad_(False)
-    hidden_states, index, weights = skewed_routing()
+    hidden_states, index, weights = routing()
     upstream = torch.randn(hidden_states.shape)
     expected = forward_backward(reference, hidden_states, index, weights, upstream, input_grads=False)
     actual = forward_backward(ours, hidden_states, index, weights, upstream, input_grads=False)
-    assert native_calls["backward"] == 1
+    assert native_calls[backward] == 1
     assert actual[1] is None and actual[2] is None and actual[3].keys() == {"gate_up_proj"}
     assert_close(actual[3]["gate_up_proj"], expected[3]["gate_up_proj"])
 
@@ -134,7 +161,7 @@ def test_lora_adapters_on_the_experts_train_through_the_native_kernels(native_ca
     upstream = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(4))
     for model in (ours, reference):
         model(hidden_states, index, weights).backward(upstream)
-    assert native_calls["backward"] == 1
+    assert native_calls["swiglu_backward"] == 1
     reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
     assert len(reference_grads) == 4
     for name, parameter in ours.named_parameters():
@@ -142,12 +169,11 @@ def test_lora_adapters_on_the_experts_train_through_the_native_kernels(native_ca
             assert_close(parameter.grad, reference_grads[name])
 
 
-def test_many_tokens_per_expert_stay_on_blas(native_calls):
-    experts = make_experts("moezoo")
-    tokens = 4 * sorted_experts.NATIVE_MAX_PAIRS_PER_EXPERT * EXPERTS // TOP_K
-    with torch.no_grad():
-        experts(torch.randn(tokens, HIDDEN), torch.randint(0, EXPERTS, (tokens, TOP_K)), torch.rand(tokens, TOP_K))
-    assert native_calls["forward"] == 0
+def test_many_tokens_per_expert_run_blas_gemms_between_native_swiglu_passes(native_calls):
+    """Above the threshold each expert is one BLAS GEMM per product, and the SwiGLU and its derivative are single
+    native passes over all pairs; equal to eager."""
+    run_both_and_compare(many_tokens_routing, seed=6)
+    assert only(native_calls, swiglu_pairs=1, swiglu_pairs_backward=1)
 
 
 def test_switched_off_or_unbuildable_kernels_fall_back_to_pytorch(monkeypatch, tmp_path, caplog):

@@ -44,6 +44,15 @@ _PARAMETERS = {
         ("grad_pair_x", _POINTER), ("grad_x", _POINTER), ("grad_routing_weights", _POINTER),
         ("grad_gate_up", _POINTER), ("grad_down", _POINTER), ("num_threads", _INT),
     ],
+    "moezoo_swiglu_pairs": [
+        ("projected", _POINTER), ("num_pairs", _SIZE), ("width", _SIZE), ("pair_weights", _POINTER),
+        ("weighted_act", _POINTER), ("num_threads", _INT),
+    ],
+    "moezoo_swiglu_pairs_backward": [
+        ("projected", _POINTER), ("d_weighted_act", _POINTER), ("num_pairs", _SIZE), ("width", _SIZE),
+        ("pair_weights", _POINTER), ("weighted_act", _POINTER), ("d_projected", _POINTER),
+        ("grad_pair_weights", _POINTER), ("num_threads", _INT),
+    ],
 }
 
 

@@ -26,7 +26,10 @@ When each expert sees few tokens (at most `NATIVE_MAX_PAIRS_PER_EXPERT` pairs on
 sequences), a GEMM per expert is bound by reading the expert's weights, and BLAS reads them twice (packing, then
 multiplying). Fused SwiGLU experts in fp32 then run on moezoo's C kernels (`native_experts.c`, built on first use
 by `native.py`), which read an expert's weights once per 16 of its pairs in the forward pass and once per 8 in the
-backward pass, and write each weight gradient once; without a C compiler the PyTorch path above serves every call.
+backward pass, and write each weight gradient once. With more pairs per expert the GEMMs stay BLAS's, and for fused
+SwiGLU in fp32 the activation is one native pass over all pairs (silu, times up, times the routing weight), as is its
+derivative (which also yields the routing-weight gradients), instead of three and six PyTorch passes. Without a C
+compiler the PyTorch path above serves every call.
 
 Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
 torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
@@ -192,6 +195,28 @@ def _has_fused_swiglu(module) -> bool:
     )
 
 
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    """The address ctypes passes for a tensor; None (a NULL pointer) tells the kernel to skip that output."""
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _native_swiglu(module, projected: torch.Tensor):
+    """moezoo's native library when its SwiGLU pass over all pairs can take this call (fused SwiGLU, fp32, a width
+    that is a multiple of 16), else None."""
+    width = projected.shape[-1] // 2
+    if _has_fused_swiglu(module) and projected.dtype == torch.float32 and projected.is_contiguous() and width % 16 == 0:
+        return native_library()
+    return None
+
+
+def _sum_pairs(pair_rows: torch.Tensor, token_of_pair: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """(T, H): each token's k pair rows summed, in fp32 whatever the rows' dtype, returned in the rows' dtype."""
+    if pair_rows.dtype in (torch.float16, torch.bfloat16):
+        output = torch.zeros(num_tokens, pair_rows.shape[-1], dtype=torch.float32, device=pair_rows.device)
+        return output.index_add_(0, token_of_pair, pair_rows.float()).to(pair_rows.dtype)
+    return pair_rows.new_zeros(num_tokens, pair_rows.shape[-1]).index_add_(0, token_of_pair, pair_rows)
+
+
 def _activate(module, projected: torch.Tensor) -> torch.Tensor:
     """The experts' nonlinearity on the projected pairs (S, 2I) or (S, I) -> (S, I)."""
     if _has_fused_swiglu(module):
@@ -199,6 +224,53 @@ def _activate(module, projected: torch.Tensor) -> torch.Tensor:
         activated = _WORKSPACE.get("activated", tuple(gate.shape), gate)
         return torch.ops.aten.silu.out(gate, out=activated).mul_(up)
     return module._apply_gate(projected) if module.has_gate else module.act_fn(projected)
+
+
+def _activate_weighted(module, projected: torch.Tensor, pair_weights: torch.Tensor) -> torch.Tensor:
+    """The activation of every pair scaled by its routing weight (S, I); `pair_weights` is (S, 1)."""
+    library = _native_swiglu(module, projected)
+    if library is None:
+        return _activate(module, projected).mul_(pair_weights)
+    num_pairs, width = projected.shape[0], projected.shape[-1] // 2
+    weighted = _WORKSPACE.get("activated", (num_pairs, width), projected)
+    library.moezoo_swiglu_pairs(projected.data_ptr(), num_pairs, width, pair_weights.data_ptr(), weighted.data_ptr(),
+                                torch.get_num_threads())
+    return weighted
+
+
+def _activation_backward(module, projected, grad_weighted, pair_weights, need_weighted, need_pair_grad):
+    """Backward of `_activate_weighted` from dL/d(weighted activation) (S, I), which it may overwrite. Returns
+    dL/d(projected) and, if asked for, the weighted activation (S, I) (for the down projection's weight gradient)
+    and dL/d(routing weight) of every pair (S,)."""
+    library = _native_swiglu(module, projected)
+    if library is not None:
+        num_pairs, width = projected.shape[0], projected.shape[-1] // 2
+        weighted = _WORKSPACE.get("activated", (num_pairs, width), projected) if need_weighted else None
+        grad_projected = _WORKSPACE.get("grad_projected", tuple(projected.shape), projected)
+        pair_grad = projected.new_empty(num_pairs) if need_pair_grad else None
+        library.moezoo_swiglu_pairs_backward(
+            projected.data_ptr(), grad_weighted.data_ptr(), num_pairs, width, pair_weights.data_ptr(),
+            _pointer(weighted), grad_projected.data_ptr(), _pointer(pair_grad), torch.get_num_threads(),
+        )
+        return grad_projected, weighted, pair_grad
+
+    fused = _has_fused_swiglu(module)
+    if fused:
+        activated = _activate(module, projected)
+    else:
+        with torch.enable_grad():
+            projected = projected.detach().requires_grad_(True)
+            activated = _activate(module, projected)
+    pair_grad = _rowwise_dot(grad_weighted, activated.detach()) if need_pair_grad else None
+    weighted = None
+    if need_weighted:
+        weighted = activated.detach().mul_(pair_weights) if fused else activated.detach() * pair_weights
+    grad_activated = grad_weighted.mul_(pair_weights)
+    if fused:
+        grad_projected = _swiglu_backward(projected, grad_activated)
+    else:
+        (grad_projected,) = torch.autograd.grad(activated, projected, grad_activated)
+    return grad_projected, weighted, pair_grad
 
 
 def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
@@ -216,21 +288,13 @@ def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bi
     torch.index_select(hidden_states, 0, token_of_pair, out=pair_states)
     _project(pair_states, up_weight, up_bias, segments, module.is_transposed, projected)
     pair_weights = top_k_weights.reshape(-1).index_select(0, order).to(projected.dtype).unsqueeze(-1)
-    scaled = _activate(module, projected).mul_(pair_weights)
+    scaled = _activate_weighted(module, projected, pair_weights)
     expert_out = _project(scaled, down_weight, None, segments, module.is_transposed, pair_states)
     if down_bias is not None:
         out_rows, weight_rows = segments.rows(expert_out), segments.rows(pair_weights)
         for expert in segments.hit:
             out_rows[expert].addmm_(weight_rows[expert], down_bias[expert].unsqueeze(0))
-
-    # Accumulate the k contributions of each token in fp32 whatever the model dtype.
-    if hidden_states.dtype in (torch.float16, torch.bfloat16):
-        output = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden_states.device)
-        output.index_add_(0, token_of_pair, expert_out.float())
-        output = output.to(hidden_states.dtype)
-    else:
-        output = hidden_states.new_zeros(num_tokens, hidden_dim).index_add_(0, token_of_pair, expert_out)
-    return output, order, segments, pair_weights
+    return _sum_pairs(expert_out, token_of_pair, num_tokens), order, segments, pair_weights
 
 
 class _SortedExperts(torch.autograd.Function):
@@ -260,21 +324,16 @@ class _SortedExperts(torch.autograd.Function):
         # input gradient of the pairs.
         pair_buffer = _WORKSPACE.get("pair_states", (num_pairs, hidden_dim), projected)
         grad_pairs = torch.index_select(grad_output.to(projected.dtype), 0, token_of_pair, out=pair_buffer)
-
-        fused = _has_fused_swiglu(module)
-        if fused:
-            activated = _activate(module, projected)
-        else:
-            with torch.enable_grad():
-                projected = projected.detach().requires_grad_(True)
-                activated = _activate(module, projected)
-        grad_activated = _project_back(
+        width = down_weight.shape[-2] if transposed else down_weight.shape[-1]
+        grad_weighted = _project_back(
             grad_pairs, down_weight, segments, transposed,
-            _WORKSPACE.get("grad_activated", tuple(activated.shape), projected),
+            _WORKSPACE.get("grad_activated", (num_pairs, width), projected),
+        )
+        grad_projected, weighted, pair_grad = _activation_backward(
+            module, projected, grad_weighted, pair_weights, need_down_w, need_weights
         )
         grad_weights = grad_down_b = grad_down_w = None
         if need_weights:
-            pair_grad = _rowwise_dot(grad_activated, activated.detach())
             if down_bias is not None:
                 grad_rows, pair_grad_rows = segments.rows(grad_pairs), segments.rows(pair_grad)
                 for expert in segments.hit:
@@ -285,14 +344,7 @@ class _SortedExperts(torch.autograd.Function):
         if need_down_b:
             grad_down_b = _bias_grad(grad_pairs * pair_weights, down_bias, segments)
         if need_down_w:
-            scaled = activated.detach().mul_(pair_weights) if fused else activated.detach() * pair_weights
-            grad_down_w = _weight_grad(scaled, grad_pairs, down_weight, segments, transposed)
-        grad_activated.mul_(pair_weights)
-
-        if fused:
-            grad_projected = _swiglu_backward(projected, grad_activated)
-        else:
-            (grad_projected,) = torch.autograd.grad(activated, projected, grad_activated)
+            grad_down_w = _weight_grad(weighted, grad_pairs, down_weight, segments, transposed)
 
         grad_up_w = grad_up_b = grad_x = None
         if need_up_w:
@@ -302,8 +354,7 @@ class _SortedExperts(torch.autograd.Function):
             grad_up_b = _bias_grad(grad_projected, up_bias, segments)
         if need_x:
             grad_pair_inputs = _project_back(grad_projected, up_weight, segments, transposed, pair_buffer)
-            grad_x = torch.zeros(hidden_states.shape, dtype=grad_pair_inputs.dtype, device=grad_pair_inputs.device)
-            grad_x = grad_x.index_add_(0, token_of_pair, grad_pair_inputs).to(hidden_states.dtype)
+            grad_x = _sum_pairs(grad_pair_inputs, token_of_pair, hidden_states.shape[0]).to(hidden_states.dtype)
         return grad_x, None, grad_weights, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None
 
 
@@ -312,8 +363,7 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
     gate, up = projected.chunk(2, dim=-1)
     grad_projected = _WORKSPACE.get("grad_projected", tuple(projected.shape), projected)
     grad_gate, grad_up = grad_projected.chunk(2, dim=-1)
-    silu_gate = torch.ops.aten.silu.out(gate, out=_WORKSPACE.get("activated", tuple(gate.shape), gate))
-    torch.mul(grad_activated, silu_gate, out=grad_up)
+    torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad_activated)
     torch.ops.aten.silu_backward.grad_input(grad_activated.mul_(up), gate, grad_input=grad_gate)
     return grad_projected
 
@@ -365,11 +415,6 @@ def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_w
         output.data_ptr(), torch.get_num_threads(),
     )
     return output, order, offsets, routing_weights
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    """The address ctypes passes for a tensor; None (a NULL pointer) tells the kernel to skip that output."""
-    return None if tensor is None else tensor.data_ptr()
 
 
 class _NativeSwiGLUExperts(torch.autograd.Function):
