@@ -247,3 +247,11 @@ def test_pooled_gradients_accumulate_like_plain_ones():
         assert_close(parameter.grad, reference.get_parameter(name).grad)
     sorted_experts.release_workspace()
     assert sorted_experts._GRADIENT_POOL.buffers == {}
+
+
+def test_streaming_read_behind_the_benchmark_floor_reads_every_float():
+    library = native.native_library()
+    values = torch.rand(3 * 4096 + 77, generator=torch.Generator().manual_seed(0))
+    total = torch.zeros(1)
+    library.moezoo_read_floats(values.data_ptr(), values.numel(), total.data_ptr(), 2)
+    assert abs(float(total) - float(values.double().sum())) <= 1e-6 * values.numel()

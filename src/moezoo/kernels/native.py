@@ -53,6 +53,7 @@ _PARAMETERS = {
         ("pair_weights", _POINTER), ("weighted_act", _POINTER), ("d_projected", _POINTER),
         ("grad_pair_weights", _POINTER), ("num_threads", _INT),
     ],
+    "moezoo_read_floats": [("p", _POINTER), ("n", _SIZE), ("total", _POINTER), ("num_threads", _INT)],
 }
 
 

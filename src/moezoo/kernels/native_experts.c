@@ -68,16 +68,16 @@ static inline vec sum_each(const vec acc[16]) {
 }
 
 /* acc[row * 4 + t] += sum_k w_rows[row, k] * x[t, k] for 4 weight rows and `tokens` (1-4, a constant after
- * inlining) rows of x; while at it, prefetches the block of 4 rows two blocks ahead, spread over the loop (a burst
- * of prefetches would stall the loads), into L2. */
+ * inlining) rows of x; while at it, prefetches the rows `prefetch_rows` (bit r: row r) of the block of 4 rows two
+ * blocks ahead, spread over the loop (a burst of prefetches would stall the loads), into L2. */
 static inline __attribute__((always_inline)) void four_rows_times_tokens(const float *restrict w_rows, int64_t depth,
                                                                          const float *restrict x, const int tokens,
-                                                                         int prefetch, vec acc[16]) {
+                                                                         int prefetch_rows, vec acc[16]) {
     for (int64_t k = 0; k < depth; k += LANES) {
         vec xs[4];
         for (int t = 0; t < tokens; t++) xs[t] = load(x + t * depth + k);
-        if (prefetch)
-            for (int row = 0; row < 4; row++) __builtin_prefetch(w_rows + 8 * depth + row * depth + k, 0, 1);
+        for (int row = 0; row < 4; row++)
+            if (prefetch_rows & (1 << row)) __builtin_prefetch(w_rows + 8 * depth + row * depth + k, 0, 1);
         for (int row = 0; row < 4; row++) {
             vec a = load(w_rows + row * depth + k);
             for (int t = 0; t < tokens; t++) acc[row * 4 + t] += a * xs[t];
@@ -87,14 +87,18 @@ static inline __attribute__((always_inline)) void four_rows_times_tokens(const f
 
 /* out[t, r] = sum_k w[r, k] * x[t, k] for the first n rows of x; w is (rows, depth), rows % 4 == 0, depth % 16 == 0.
  * Four weight rows at a time against four tokens at a time (16 accumulators, 8 loads per 16 FMAs), and the last
- * 1-3 tokens without padding. */
+ * 1-3 tokens without padding. The passes over a block share its prefetches, so that requests to memory keep going
+ * out while the block is reused from L1. */
 static void times_weight_transposed(const float *restrict w, int64_t rows, int64_t depth, const float *restrict x,
                                     int64_t n, float *restrict out) {
+    int64_t passes = (n + 3) / 4;
     for (int64_t r = 0; r < rows; r += 4) {
         const float *w_rows = w + r * depth;
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
             vec acc[16] = {0};
-            int prefetch = t0 == 0;
+            int prefetch = 0;
+            for (int row = 0; row < 4; row++)
+                if (row % passes == t0 / 4) prefetch |= 1 << row;
             switch (n - t0) {
                 case 1: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 1, prefetch, acc); break;
                 case 2: four_rows_times_tokens(w_rows, depth, x + t0 * depth, 2, prefetch, acc); break;
@@ -364,4 +368,25 @@ void moezoo_swiglu_pairs_backward(const float *projected, const float *d_weighte
                                                 d_gate + width);
         if (grad_pair_weights) grad_pair_weights[p] = weight_grad;
     }
+}
+
+/* The sum of n floats, read once from memory as fast as this CPU streams them (OpenMP over 16 KiB blocks, prefetching
+ * ahead in each): the floor `moezoo bench moe-layer` sets beside the experts kernels, which cannot read their weights
+ * any faster. */
+void moezoo_read_floats(const float *p, int64_t n, float *total, int num_threads) {
+    const int64_t block = 4096;
+    double sum = 0.0;
+    #pragma omp parallel for schedule(static) reduction(+:sum) num_threads(num_threads)
+    for (int64_t b = 0; b < n / block; b++) {
+        const float *q = p + b * block;
+        vec acc[4] = {0};
+        for (int64_t i = 0; i < block; i += 4 * LANES) {
+            __builtin_prefetch(q + i + PREFETCH_FLOATS, 0, 1);
+            for (int j = 0; j < 4; j++) acc[j] += load(q + i + j * LANES);
+        }
+        vec all = acc[0] + acc[1] + acc[2] + acc[3];
+        for (int lane = 0; lane < LANES; lane++) sum += all[lane];
+    }
+    for (int64_t i = n / block * block; i < n; i++) sum += p[i];
+    *total = (float)sum;
 }
