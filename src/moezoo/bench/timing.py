@@ -30,10 +30,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 
 
 def time_round_robin(
-    calls: Mapping[str, Callable[[], object]],
-    seconds: float,
-    max_rounds: int,
-    min_rounds: int = 3,
+    calls: Mapping[str, Callable[[], object]], seconds: float, max_rounds: int, min_rounds: int = 3
 ) -> dict[str, float]:
     """Median seconds per call of each named call: at least `min_rounds` rounds, then more until `seconds` have
     passed or `max_rounds` are done. Each round runs the calls in a new order (shuffled, seeded), so that no call
@@ -60,7 +57,10 @@ def last_level_cache_bytes(
     """The size of the largest CPU cache Linux reports for CPU 0 (`default` where sysfs does not say)."""
     sizes = []
     for size_file in cache_dir.glob("index*/size"):
-        text = size_file.read_text().strip()
+        try:
+            text = size_file.read_text().strip()
+        except OSError:
+            continue
         multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
         digits = text[:-1] if text[-1:] in "KMG" else text
         if digits.isdigit():

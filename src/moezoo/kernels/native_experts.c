@@ -192,7 +192,7 @@ static inline void swiglu_row(const float *restrict gate, const float *restrict 
 
 /* Backward of swiglu_row for one pair, from d_act = dL/d(act): writes dL/d(gate), dL/d(up) and, unless act is
  * NULL, the weighted activation again (for the down projection's weight gradient); returns dL/d(weight) =
- * d_act . act / weight, summed in 16 lanes, then in double. */
+ * d_act . (silu(gate) * up), summed in 16 lanes, then in double. */
 static inline float swiglu_row_backward(const float *restrict gate, const float *restrict up,
                                         const float *restrict d_act, float weight, int64_t width,
                                         float *restrict act, float *restrict d_gate, float *restrict d_up) {
