@@ -66,3 +66,17 @@ def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkey
 
     monkeypatch.setattr(moe_layer, "last_level_cache_bytes", lambda: 2**40)
     assert len(moe_layer._make_layers(8, 2, 32, 16, torch.float32, seed=0)[1]) == moe_layer.MAX_LAYER_COPIES
+
+
+def test_float64_reference_propagates_the_same_upstream_gradient_in_bfloat16():
+    """In bf16 every implementation is off float64 by bf16 rounding only (not by a different upstream gradient)."""
+    import torch
+
+    from moezoo.bench.moe_layer import run_moe_layer_bench
+
+    rows, _ = run_moe_layer_bench(
+        tokens=(16,), num_experts=8, top_k=2, hidden=64, expert_width=32, dtype=torch.bfloat16,
+        implementations=("eager", "moezoo"), modes=("fwd_bwd",), seconds_per_case=0.0, max_rounds=1,
+    )
+    for row in rows:
+        assert 0 < row.max_abs_err_vs_fp64 < 0.1, row

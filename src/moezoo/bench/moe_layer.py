@@ -150,11 +150,14 @@ def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed):
     logits = torch.randn(tokens, num_experts, generator=generator)
     weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
-    return hidden_states, index, weights
+    # A fixed, non-uniform upstream gradient (a stride-0 one from .sum() is not what models produce), computed in
+    # float64 and rounded once, so that the float64 reference gets exactly the same one.
+    upstream = torch.cos(torch.arange(tokens * hidden, dtype=torch.float64)).view(tokens, hidden).to(dtype)
+    return hidden_states, index, weights, upstream
 
 
-def _run(config, experts, impl, mode, hidden_states, index, weights):
-    """One call; returns the tensors to compare (output, then gradients for fwd_bwd)."""
+def _run(config, experts, impl, mode, hidden_states, index, weights, upstream):
+    """One call; returns the tensors to compare (output, then gradients of `upstream` for fwd_bwd)."""
     config._experts_implementation = impl
     if mode == "fwd":
         with torch.no_grad():
@@ -162,8 +165,7 @@ def _run(config, experts, impl, mode, hidden_states, index, weights):
     x = hidden_states.detach().requires_grad_(True)
     w = weights.detach().requires_grad_(True)
     output = experts(x, index, w)
-    # A fixed, non-uniform upstream gradient (a stride-0 one from .sum() is not what models produce).
-    output.backward(torch.cos(torch.arange(output.numel(), dtype=output.dtype)).view_as(output))
+    output.backward(upstream)
     results = output.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad
     # Like optimizer.zero_grad() in a training step; the caller drops `results` inside the timed call, so each
     # implementation pays for freeing its own gradients, not the previous contender's.
@@ -171,9 +173,9 @@ def _run(config, experts, impl, mode, hidden_states, index, weights):
     return results
 
 
-def _run_next(config, next_layer, impl, mode, hidden_states, index, weights):
+def _run_next(config, next_layer, impl, mode, *inputs):
     """`_run` on the next copy of the layer."""
-    return _run(config, next_layer(), impl, mode, hidden_states, index, weights)
+    return _run(config, next_layer(), impl, mode, *inputs)
 
 
 def _max_diffs(results, reference, exact) -> tuple[float, float, float]:
@@ -212,7 +214,8 @@ def run_moe_layer_bench(
     rows: list[BenchRow] = []
     experts_hit: dict[int, int] = {}
     for num_tokens in tokens:
-        hidden_states, index, weights = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
+        inputs = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
+        hidden_states, index, weights, upstream = inputs  # upstream: the gradient fwd_bwd calls propagate back
         pairs = num_tokens * top_k
         experts_hit[num_tokens] = index.unique().numel()
         forward_flops = 6 * pairs * hidden * expert_width
@@ -220,18 +223,16 @@ def run_moe_layer_bench(
             runnable, skipped = split_runnable(
                 implementations, pairs, hidden, expert_width, element_size, passes=2 if mode == "fwd_bwd" else 1
             )
-            reference = _run(config, experts, "eager", mode, hidden_states, index, weights)
-            exact_results = _run(config, exact, "eager", mode, hidden_states.double(), index, weights.double())
+            reference = _run(config, experts, "eager", mode, *inputs)
+            exact_inputs = (hidden_states.double(), index, weights.double(), upstream.double())
+            exact_results = _run(config, exact, "eager", mode, *exact_inputs)
             diffs = {
-                impl: _max_diffs(
-                    _run(config, experts, impl, mode, hidden_states, index, weights), reference, exact_results
-                )
+                impl: _max_diffs(_run(config, experts, impl, mode, *inputs), reference, exact_results)
                 for impl in runnable
             }
             del reference, exact_results
             timings = time_round_robin(
-                {impl: partial(_run_next, config, next_layer, impl, mode, hidden_states, index, weights)
-                 for impl in runnable},
+                {impl: partial(_run_next, config, next_layer, impl, mode, *inputs) for impl in runnable},
                 seconds_per_case,
                 max_rounds,
             )
