@@ -45,12 +45,14 @@ def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys):
     assert "unknown experts implementation 'fastest'" in err and "Traceback" not in err
     assert main(["bench", "moe-layer", "--tokens", "8", "--top-k", "99", "--json"]) == 2
     assert "num_experts_per_tok" in capsys.readouterr().err
+    assert main(["bench", "moe-layer", "--tokens", "8", "--threads", "0", "--json"]) == 2
+    assert "--threads must be positive" in capsys.readouterr().err
 
 
 def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkeypatch):
     import torch
 
-    import moezoo.bench.moe_layer as moe_layer
+    from moezoo.bench import moe_layer
 
     monkeypatch.setattr(moe_layer, "last_level_cache_bytes", lambda: 100_000)
     config, layers, exact = moe_layer._make_layers(8, 2, 32, 16, torch.float32, seed=0)

@@ -62,11 +62,8 @@ def test_fresh_process_without_moezoo_loads_every_auto_class(toy_folders):
         from safetensors.torch import load_file
         from transformers import (AutoConfig, AutoImageProcessor, AutoModel, AutoModelForSequenceClassification,
                                   AutoProcessor)
-        try:
-            import moezoo
-            raise SystemExit("moezoo should not be importable here")
-        except ImportError:
-            pass
+        import importlib.util
+        assert importlib.util.find_spec("moezoo") is None, "moezoo should not be importable here"
         path = {str(exported)!r}
         config = AutoConfig.from_pretrained(path, trust_remote_code=True)
         model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()

@@ -362,6 +362,7 @@ def _add_bench(commands) -> None:
     moe_layer.add_argument("--impl", nargs="+", default=None, help="implementations to time (default: all)")
     moe_layer.add_argument("--mode", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     moe_layer.add_argument("--seconds-per-case", type=float, default=6.0, help="time budget per (tokens, mode)")
+    add_threads_argument(moe_layer)
     moe_layer.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     moe_layer.set_defaults(run=_run_bench_moe_layer)
     moe_vie = _command(
@@ -396,6 +397,7 @@ def _run_bench_moe_layer(args) -> int:
     from .bench.moe_layer import DEFAULT_IMPLEMENTATIONS, print_moe_layer_table, rows_as_dicts, run_moe_layer_bench
     from .terminal import progress_bar
 
+    apply_threads(args)
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moe-layer", total=len(args.tokens) * len(args.mode))
 

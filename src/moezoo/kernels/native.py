@@ -1,4 +1,5 @@
-"""Build and load `native_experts.c`, moezoo's C kernels for experts that see few tokens each.
+"""Build and load `native_experts.c`, moezoo's C kernels: SwiGLU experts that see few tokens each, the SwiGLU pass
+between the BLAS GEMMs when they see many, and the streaming read `moezoo bench moe-layer` takes as its floor.
 
 The source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) for this very CPU
 (`-march=native`) and cached under `$MOEZOO_KERNEL_CACHE` (default `~/.cache/moezoo/kernels`), keyed by the source,

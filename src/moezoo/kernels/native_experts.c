@@ -12,8 +12,9 @@
  *   - weight gradients: every row written once, as the sum over the chunk's tokens of coefficient x row.
  * An expert's pairs go in chunks (16 in the forward, 8 in the backward pass, where they are padded with zero rows);
  * experts run in parallel (OpenMP).
- * With many tokens per expert BLAS does the products, and moezoo_swiglu_pairs(_backward) at the end of this file do
- * the SwiGLU of all pairs (and its derivative) in one pass each.
+ * With many tokens per expert BLAS does the products, and moezoo_swiglu_pairs(_backward) near the end of this file
+ * do the SwiGLU of all pairs (and its derivative) in one pass each. Last, moezoo_read_floats: the plain streaming
+ * read that the benchmark sets beside these kernels as the fastest any of them could read its weights.
  *
  * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
  * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is

@@ -37,6 +37,7 @@ torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -58,9 +59,7 @@ class _Workspace(threading.local):
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         key = (name, like.dtype, like.device)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
