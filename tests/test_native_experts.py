@@ -110,12 +110,25 @@ def run_both_and_compare(routing, seed):
 
 def test_native_kernels_equal_eager_on_outputs_and_all_gradients(native_calls):
     ours, reference, weight_grads = run_both_and_compare(skewed_routing, seed=3)
-    assert only(native_calls, swiglu_forward=1, swiglu_backward=1)
+    assert only(native_calls, sort_pairs=1, swiglu_forward=1, swiglu_backward=1)
     assert torch.count_nonzero(weight_grads["gate_up_proj"][9:]) == 0  # experts without tokens
     hidden_states, index, weights = skewed_routing()
     with torch.no_grad():
         assert (ours(hidden_states, index, weights) - reference(hidden_states, index, weights)).abs().max() <= 1e-6
     assert native_calls["swiglu_forward"] == 2
+
+
+def test_pairs_are_sorted_by_expert_stably_with_offsets_and_the_experts_hit():
+    library = native.native_library()
+    expert_index = torch.tensor([3, 0, 3, 5, 0, 3, 5, 0], dtype=torch.int64)
+    order, offsets = torch.empty(8, dtype=torch.int64), torch.empty(7, dtype=torch.int64)
+    hit = library.moezoo_sort_pairs(expert_index.data_ptr(), 8, 6, order.data_ptr(), offsets.data_ptr())
+    assert hit == 3
+    assert order.tolist() == torch.argsort(expert_index, stable=True).tolist() == [1, 4, 7, 0, 2, 5, 3, 6]
+    assert offsets.tolist() == [0, 3, 3, 3, 6, 6, 8]
+    for bad in (6, -1):
+        expert_index[2] = bad
+        assert library.moezoo_sort_pairs(expert_index.data_ptr(), 8, 6, order.data_ptr(), offsets.data_ptr()) == -1
 
 
 @pytest.mark.parametrize("routing,backward", [(skewed_routing, "swiglu_backward"),
@@ -173,7 +186,8 @@ def test_many_tokens_per_expert_run_blas_gemms_between_native_swiglu_passes(nati
     """Above the threshold each expert is one BLAS GEMM per product, and the SwiGLU and its derivative are single
     native passes over all pairs; equal to eager."""
     run_both_and_compare(many_tokens_routing, seed=6)
-    assert only(native_calls, swiglu_pairs=1, swiglu_pairs_backward=1)
+    # the pairs are sorted in C, then found too many per expert for the native kernels
+    assert only(native_calls, sort_pairs=1, swiglu_pairs=1, swiglu_pairs_backward=1)
 
 
 def test_switched_off_or_unbuildable_kernels_fall_back_to_pytorch(monkeypatch, tmp_path, caplog):
@@ -255,3 +269,15 @@ def test_streaming_read_behind_the_benchmark_floor_reads_every_float():
     total = torch.zeros(1)
     library.moezoo_read_floats(values.data_ptr(), values.numel(), total.data_ptr(), 2)
     assert abs(float(total) - float(values.double().sum())) <= 1e-6 * values.numel()
+
+
+@pytest.mark.parametrize("width", [64, 48])  # the native kernels, and the general path (widths not multiples of 64)
+@pytest.mark.parametrize("bad_expert", [EXPERTS, -1])
+def test_an_expert_index_outside_the_layer_is_named(width, bad_expert):
+    config = PreTrainedConfig()
+    config._experts_implementation = "moezoo"
+    spec = MoeLayerSpec(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2, expert_intermediate_size=width)
+    experts = SwiGLUExperts(config, spec)
+    index = torch.tensor([[0, 1], [2, bad_expert]])
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"expert {bad_expert}, .* numbered 0\.\.{EXPERTS - 1}"):
+        experts(torch.randn(2, HIDDEN), index, torch.rand(2, 2))

@@ -55,7 +55,13 @@ _PARAMETERS = {
         ("grad_pair_weights", _POINTER), ("num_threads", _INT),
     ],
     "moezoo_read_floats": [("p", _POINTER), ("n", _SIZE), ("total", _POINTER), ("num_threads", _INT)],
+    "moezoo_sort_pairs": [
+        ("expert_index", _POINTER), ("num_pairs", _SIZE), ("num_experts", _SIZE), ("order", _POINTER),
+        ("offsets", _POINTER),
+    ],
 }
+# The functions that return a value (the others return nothing).
+_RESULTS = {"moezoo_sort_pairs": _SIZE}
 
 
 def cache_dir() -> Path:
@@ -122,5 +128,5 @@ def native_library() -> ctypes.CDLL | None:
         return None
     for name, parameters in _PARAMETERS.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = [kind for _, kind in parameters], None
+        function.argtypes, function.restype = [kind for _, kind in parameters], _RESULTS.get(name)
     return library

@@ -13,8 +13,9 @@
  * An expert's pairs go in chunks (16 in the forward, 8 in the backward pass, where they are padded with zero rows);
  * experts run in parallel (OpenMP).
  * With many tokens per expert BLAS does the products, and moezoo_swiglu_pairs(_backward) near the end of this file
- * do the SwiGLU of all pairs (and its derivative) in one pass each. Last, moezoo_read_floats: the plain streaming
- * read that the benchmark sets beside these kernels as the fastest any of them could read its weights.
+ * do the SwiGLU of all pairs (and its derivative) in one pass each. moezoo_sort_pairs groups a call's pairs by expert
+ * for these kernels. Last, moezoo_read_floats: the plain streaming read that the benchmark sets beside these kernels
+ * as the fastest any of them could read its weights.
  *
  * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
  * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is
@@ -235,6 +236,32 @@ static void sum_over_slots(const float *restrict pair_rows, const int64_t *restr
             for (int64_t c = 0; c < width; c++) row[c] += pair_row[c];
         }
     }
+}
+
+/*
+ * The (token, slot) pairs grouped by expert, stably (a counting sort): order[offsets[e] .. offsets[e+1]) lists in
+ * increasing order the slots p (= token * top_k + k) routed to expert e, expert_index[p] == e. One pass in C instead
+ * of PyTorch's bincount, argsort and cumsum, each of which costs as much as the rest of a short call's bookkeeping.
+ * Returns the number of experts that have pairs, or -1 (order and offsets unspecified) when an index lies outside
+ * [0, num_experts).
+ */
+int64_t moezoo_sort_pairs(const int64_t *expert_index, int64_t num_pairs, int64_t num_experts, int64_t *order,
+                          int64_t *offsets) {
+    memset(offsets, 0, sizeof(int64_t) * (num_experts + 1));
+    for (int64_t p = 0; p < num_pairs; p++) {
+        if (expert_index[p] < 0 || expert_index[p] >= num_experts) return -1;
+        offsets[expert_index[p] + 1]++;
+    }
+    int64_t hit = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        hit += offsets[e + 1] > 0;
+        offsets[e + 1] += offsets[e];
+    }
+    int64_t *next = malloc(sizeof(int64_t) * (num_experts > 0 ? num_experts : 1));  /* each expert's next place */
+    memcpy(next, offsets, sizeof(int64_t) * num_experts);
+    for (int64_t p = 0; p < num_pairs; p++) order[next[expert_index[p]]++] = p;
+    free(next);
+    return hit;
 }
 
 /* position[slot] = the place of `slot` in the sorted order. */

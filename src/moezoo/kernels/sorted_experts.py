@@ -117,6 +117,13 @@ def release_workspace() -> None:
         _GRADIENT_POOL.buffers.clear()
 
 
+def _expert_index_error(top_k_index: torch.Tensor, num_experts: int) -> ValueError:
+    outside = top_k_index[(top_k_index < 0) | (top_k_index >= num_experts)]
+    return ValueError(
+        f"top_k_index routes to expert {int(outside[0])}, but this layer's experts are numbered 0..{num_experts - 1}"
+    )
+
+
 class _Segments:
     """The (token, slot) pairs of one call sorted by expert: `order` (S,) and each expert's row count.
 
@@ -126,6 +133,8 @@ class _Segments:
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         flat_ids = top_k_index.reshape(-1)
+        if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
+            raise _expert_index_error(top_k_index, num_experts)
         self.order = torch.argsort(flat_ids, stable=True)
         self.counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
         self.hit = [expert for expert, count in enumerate(self.counts) if count]
@@ -374,11 +383,12 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
 NATIVE_MAX_PAIRS_PER_EXPERT = 40
 
 
-def _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> torch.Tensor | None:
-    """The pairs per expert (E,) when `native_experts.c` takes this call, else None. It covers fused SwiGLU without
-    biases, fp32, contiguous weights in transformers' layout, sizes that are multiples of 64, and few pairs per
-    expert."""
+def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down_weight):
+    """The pairs sorted by expert, `(order (S,), offsets (E+1,))`, when `native_experts.c` takes this call, else None.
+    It covers fused SwiGLU without biases, fp32, contiguous weights in transformers' layout, sizes that are multiples
+    of 64, and few pairs per expert that has any."""
     num_experts, hidden, width = down_weight.shape[0], hidden_states.shape[-1], down_weight.shape[-1]
+    library = native_library()
     if not (
         _has_fused_swiglu(module)
         and up_bias is None
@@ -388,22 +398,27 @@ def _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, down_
         and down_weight.is_contiguous()
         and hidden % 64 == 0
         and width % 64 == 0
-        and native_library() is not None
+        and library is not None
     ):
         return None
-    counts = torch.bincount(top_k_index.reshape(-1), minlength=num_experts)
-    few_pairs = top_k_index.numel() <= NATIVE_MAX_PAIRS_PER_EXPERT * int(counts.count_nonzero())
-    return counts if few_pairs and counts.numel() == num_experts else None
+    expert_index = top_k_index.reshape(-1).to(torch.int64).contiguous()
+    order = torch.empty_like(expert_index)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+    experts_hit = library.moezoo_sort_pairs(
+        expert_index.data_ptr(), expert_index.numel(), num_experts, order.data_ptr(), offsets.data_ptr()
+    )
+    if experts_hit < 0:
+        raise _expert_index_error(top_k_index, num_experts)
+    if expert_index.numel() > NATIVE_MAX_PAIRS_PER_EXPERT * experts_hit:
+        return None
+    return order, offsets
 
 
-def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts, projected):
-    """The forward pass on the native kernels (T, H); also returns the pair order and expert offsets it used, and the
+def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets, projected):
+    """The forward pass on the native kernels (T, H), for the pairs sorted by `_native_routing`; also returns the
     routing weights as fp32, for the backward pass."""
     num_tokens, hidden = hidden_states.shape
     num_experts, width = down_weight.shape[0], down_weight.shape[-1]
-    order = torch.argsort(top_k_index.reshape(-1), stable=True)  # slots (token * k + j) grouped by expert
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
     routing_weights = top_k_weights.float().contiguous()
     inputs = hidden_states.contiguous()
     output = torch.empty_like(inputs)
@@ -413,15 +428,15 @@ def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_w
         projected.data_ptr(), _WORKSPACE.get("pair_states", (order.numel(), hidden), inputs).data_ptr(),
         output.data_ptr(), torch.get_num_threads(),
     )
-    return output, order, offsets, routing_weights
+    return output, routing_weights
 
 
 class _NativeSwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets):
         projected = hidden_states.new_empty(top_k_index.numel(), up_weight.shape[-2])  # kept for the backward pass
-        output, order, offsets, routing_weights = _native_forward(
-            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, counts, projected
+        output, routing_weights = _native_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets, projected
         )
         ctx.save_for_backward(hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight)
         ctx.top_k_weights_dtype = top_k_weights.dtype
@@ -430,7 +445,7 @@ class _NativeSwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight = ctx.saved_tensors
-        need_x, _, need_weights, need_up, need_down, _ = ctx.needs_input_grad
+        need_x, _, need_weights, need_up, need_down, _, _ = ctx.needs_input_grad
         inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
         (num_tokens, hidden), (num_experts, _, width) = inputs.shape, down_weight.shape
         grad_x = torch.empty_like(inputs) if need_x else None
@@ -446,7 +461,7 @@ class _NativeSwiGLUExperts(torch.autograd.Function):
         )
         if grad_weights is not None:
             grad_weights = grad_weights.to(ctx.top_k_weights_dtype)
-        return grad_x, None, grad_weights, grad_up, grad_down, None
+        return grad_x, None, grad_weights, grad_up, grad_down, None, None
 
 
 def _unsupported(module, hidden_states: torch.Tensor) -> bool:
@@ -471,9 +486,9 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     down_bias = module.down_proj_bias if module.has_bias else None
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    counts = _native_counts(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
-    if counts is not None:
-        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, counts)
+    routing = _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
+    if routing is not None:
+        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, *routing)
         if needs_grad:
             return _NativeSwiGLUExperts.apply(*native_inputs)
         projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_weight.shape[-2]), hidden_states)
