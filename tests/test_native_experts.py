@@ -281,3 +281,14 @@ def test_an_expert_index_outside_the_layer_is_named(width, bad_expert):
     index = torch.tensor([[0, 1], [2, bad_expert]])
     with torch.no_grad(), pytest.raises(ValueError, match=rf"expert {bad_expert}, .* numbered 0\.\.{EXPERTS - 1}"):
         experts(torch.randn(2, HIDDEN), index, torch.rand(2, 2))
+
+
+def test_int32_and_non_contiguous_expert_indices_route_alike(native_calls):
+    experts = make_experts("moezoo")
+    hidden_states, index, weights = skewed_routing()
+    with torch.no_grad():
+        expected = experts(hidden_states, index, weights)
+        as_int32 = experts(hidden_states, index.to(torch.int32), weights)
+        strided = experts(hidden_states, index.t().contiguous().t(), weights)  # same values, column-major
+    assert native_calls["swiglu_forward"] == 3
+    assert torch.equal(as_int32, expected) and torch.equal(strided, expected)
