@@ -25,7 +25,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_experts.c")
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# -funroll-loops: ~2% off the 64-token forward of `moezoo bench moe-layer` (A/B of both builds in one process).
+BASE_FLAGS = ("-O3", "-funroll-loops", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # GCC and Clang default to 256-bit vectors on some AVX-512 CPUs; the kernels are written for 16-float vectors.
 WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
 
