@@ -60,12 +60,19 @@ class _Workspace(threading.local):
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
+        return self._buffer(name, numel, like)[:numel].view(shape)
+
+    def address(self, name: str, numel: int, like: torch.Tensor) -> int:
+        """The address of the buffer `get` would view, for the native kernels (making no view saves per-call time)."""
+        return self._buffer(name, numel, like).data_ptr()
+
+    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         key = (name, like.dtype, like.device)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
             self.buffers[key] = buffer
-        return buffer[:numel].view(shape)
+        return buffer
 
 
 _WORKSPACE = _Workspace()
@@ -383,10 +390,11 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
 NATIVE_MAX_PAIRS_PER_EXPERT = 40
 
 
-def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down_weight):
-    """The pairs sorted by expert, `(order (S,), offsets (E+1,))`, when `native_experts.c` takes this call, else None.
-    It covers fused SwiGLU without biases, fp32, contiguous weights in transformers' layout, sizes that are multiples
-    of 64, and few pairs per expert that has any."""
+def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> torch.Tensor | None:
+    """The pairs sorted by expert when `native_experts.c` takes this call, else None: one int64 tensor holding the pair
+    order (S,), then the expert offsets (E+1,) (see `_order_and_offsets`). The kernels cover fused SwiGLU without
+    biases, fp32, contiguous weights in transformers' layout, sizes that are multiples of 64, and few pairs per expert
+    that has any. Every tensor op saved here counts: at 64 tokens the Python around the C calls is ~5% of the call."""
     num_experts, hidden, width = down_weight.shape[0], hidden_states.shape[-1], down_weight.shape[-1]
     library = native_library()
     if not (
@@ -401,31 +409,39 @@ def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down
         and library is not None
     ):
         return None
-    expert_index = top_k_index.reshape(-1).to(torch.int64).contiguous()
-    order = torch.empty_like(expert_index)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+    expert_index = top_k_index
+    if expert_index.dtype != torch.int64 or not expert_index.is_contiguous():
+        expert_index = expert_index.to(torch.int64).contiguous()
+    num_pairs = expert_index.numel()
+    sorted_pairs = torch.empty(num_pairs + num_experts + 1, dtype=torch.int64)
     experts_hit = library.moezoo_sort_pairs(
-        expert_index.data_ptr(), expert_index.numel(), num_experts, order.data_ptr(), offsets.data_ptr()
+        expert_index.data_ptr(), num_pairs, num_experts, *_order_and_offsets(sorted_pairs, num_pairs)
     )
     if experts_hit < 0:
         raise _expert_index_error(top_k_index, num_experts)
-    if expert_index.numel() > NATIVE_MAX_PAIRS_PER_EXPERT * experts_hit:
+    if num_pairs > NATIVE_MAX_PAIRS_PER_EXPERT * experts_hit:
         return None
-    return order, offsets
+    return sorted_pairs
 
 
-def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets, projected):
-    """The forward pass on the native kernels (T, H), for the pairs sorted by `_native_routing`; also returns the
-    routing weights as fp32, for the backward pass."""
-    num_tokens, hidden = hidden_states.shape
-    num_experts, width = down_weight.shape[0], down_weight.shape[-1]
+def _order_and_offsets(sorted_pairs: torch.Tensor, num_pairs: int) -> tuple[int, int]:
+    """The addresses of the pair order and of the expert offsets, which `moezoo_sort_pairs` writes one after the other."""
+    address = sorted_pairs.data_ptr()
+    return address, address + num_pairs * sorted_pairs.element_size()
+
+
+def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs, projected):
+    """The forward pass on the native kernels (T, H), for the pairs sorted by `_native_routing`, writing the up
+    projection at the address `projected` (S, 2I); also returns the routing weights as fp32, for the backward pass."""
+    (num_tokens, hidden), (num_experts, _, width) = hidden_states.shape, down_weight.shape
+    num_pairs = top_k_index.numel()
     routing_weights = top_k_weights.float().contiguous()
     inputs = hidden_states.contiguous()
     output = torch.empty_like(inputs)
     native_library().moezoo_swiglu_forward(
-        inputs.data_ptr(), num_tokens, hidden, width, num_experts, top_k_index.shape[1], order.data_ptr(),
-        offsets.data_ptr(), routing_weights.data_ptr(), up_weight.data_ptr(), down_weight.data_ptr(),
-        projected.data_ptr(), _WORKSPACE.get("pair_states", (order.numel(), hidden), inputs).data_ptr(),
+        inputs.data_ptr(), num_tokens, hidden, width, num_experts, top_k_index.shape[1],
+        *_order_and_offsets(sorted_pairs, num_pairs), routing_weights.data_ptr(), up_weight.data_ptr(),
+        down_weight.data_ptr(), projected, _WORKSPACE.address("pair_states", num_pairs * hidden, inputs),
         output.data_ptr(), torch.get_num_threads(),
     )
     return output, routing_weights
@@ -433,35 +449,36 @@ def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_w
 
 class _NativeSwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs):
         projected = hidden_states.new_empty(top_k_index.numel(), up_weight.shape[-2])  # kept for the backward pass
         output, routing_weights = _native_forward(
-            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, order, offsets, projected
+            hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs, projected.data_ptr()
         )
-        ctx.save_for_backward(hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight)
+        ctx.save_for_backward(hidden_states, sorted_pairs, routing_weights, projected, up_weight, down_weight)
         ctx.top_k_weights_dtype = top_k_weights.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden_states, order, offsets, routing_weights, projected, up_weight, down_weight = ctx.saved_tensors
-        need_x, _, need_weights, need_up, need_down, _, _ = ctx.needs_input_grad
+        hidden_states, sorted_pairs, routing_weights, projected, up_weight, down_weight = ctx.saved_tensors
+        need_x, _, need_weights, need_up, need_down, _ = ctx.needs_input_grad
         inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
         (num_tokens, hidden), (num_experts, _, width) = inputs.shape, down_weight.shape
+        num_pairs = routing_weights.numel()
         grad_x = torch.empty_like(inputs) if need_x else None
-        grad_pair_x = _WORKSPACE.get("pair_states", (order.numel(), hidden), inputs) if need_x else None
+        grad_pair_x = _WORKSPACE.address("pair_states", num_pairs * hidden, inputs) if need_x else None
         grad_weights = torch.empty_like(routing_weights) if need_weights else None
         grad_up = _GRADIENT_POOL.empty_like(up_weight) if need_up else None
         grad_down = _GRADIENT_POOL.empty_like(down_weight) if need_down else None
         native_library().moezoo_swiglu_backward(
             grad_output.data_ptr(), inputs.data_ptr(), num_tokens, hidden, width, num_experts,
-            routing_weights.shape[1], order.data_ptr(), offsets.data_ptr(), routing_weights.data_ptr(),
-            up_weight.data_ptr(), down_weight.data_ptr(), projected.data_ptr(), _pointer(grad_pair_x),
-            _pointer(grad_x), _pointer(grad_weights), _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
+            routing_weights.shape[1], *_order_and_offsets(sorted_pairs, num_pairs), routing_weights.data_ptr(),
+            up_weight.data_ptr(), down_weight.data_ptr(), projected.data_ptr(), grad_pair_x, _pointer(grad_x),
+            _pointer(grad_weights), _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
         )
         if grad_weights is not None:
             grad_weights = grad_weights.to(ctx.top_k_weights_dtype)
-        return grad_x, None, grad_weights, grad_up, grad_down, None, None
+        return grad_x, None, grad_weights, grad_up, grad_down, None
 
 
 def _unsupported(module, hidden_states: torch.Tensor) -> bool:
@@ -486,12 +503,12 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     down_bias = module.down_proj_bias if module.has_bias else None
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    routing = _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
-    if routing is not None:
-        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, *routing)
+    sorted_pairs = _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
+    if sorted_pairs is not None:
+        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, sorted_pairs)
         if needs_grad:
             return _NativeSwiGLUExperts.apply(*native_inputs)
-        projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_weight.shape[-2]), hidden_states)
+        projected = _WORKSPACE.address("projected", top_k_index.numel() * up_weight.shape[-2], hidden_states)
         return _native_forward(*native_inputs, projected)[0]
     if needs_grad:
         return _SortedExperts.apply(*inputs, module)
