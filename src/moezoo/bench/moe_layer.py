@@ -36,6 +36,9 @@ DEFAULT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", SORTED_EXPERTS_I
 MODES = ("fwd", "fwd_bwd")
 # batched_mm materialises one weight matrix per (token, slot) pair; rows that would need more are skipped.
 BATCHED_MM_MEMORY_LIMIT_BYTES = 3 * 2**30
+# Slow cases (eager's backward takes seconds) get this many rounds whatever the time budget: a median of three let one
+# disturbed moment on a shared machine move a whole row (one 8192-token forward + backward read 1.45x instead of ~2.3x).
+MIN_ROUNDS = 5
 # The most copies of the layer the timed calls cycle through (small layers fit in the caches however many there are).
 MAX_LAYER_COPIES = 16
 
@@ -235,6 +238,7 @@ def run_moe_layer_bench(
                 {impl: partial(_run_next, config, next_layer, impl, mode, *inputs) for impl in runnable},
                 seconds_per_case,
                 max_rounds,
+                min_rounds=MIN_ROUNDS,
             )
             flops = forward_flops * (3 if mode == "fwd_bwd" else 1)
             case_rows = []
