@@ -1,5 +1,6 @@
-"""Build and load `native_experts.c`, moezoo's C kernels: SwiGLU experts that see few tokens each, the SwiGLU pass
-between the BLAS GEMMs when they see many, and the streaming read `moezoo bench moe-layer` takes as its floor.
+"""Build and load `native_experts.c`, moezoo's C kernels: SwiGLU experts that see few tokens each (with the counting
+sort that groups a call's pairs by expert for them), the SwiGLU pass between the BLAS GEMMs when they see many, and
+the streaming read `moezoo bench moe-layer` takes as its floor.
 
 The source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) for this very CPU
 (`-march=native`) and cached under `$MOEZOO_KERNEL_CACHE` (default `~/.cache/moezoo/kernels`), keyed by the source,
