@@ -271,9 +271,12 @@ def test_streaming_read_behind_the_benchmark_floor_reads_every_float():
     assert abs(float(total) - float(values.double().sum())) <= 1e-6 * values.numel()
 
 
+@pytest.mark.parametrize("native_sort", [True, False])  # the C counting sort, and PyTorch's without a C compiler
 @pytest.mark.parametrize("width", [64, 48])  # the native kernels, and the general path (widths not multiples of 64)
 @pytest.mark.parametrize("bad_expert", [EXPERTS, -1])
-def test_an_expert_index_outside_the_layer_is_named(width, bad_expert):
+def test_an_expert_index_outside_the_layer_is_named(monkeypatch, native_sort, width, bad_expert):
+    if not native_sort:
+        monkeypatch.setattr(sorted_experts, "native_library", lambda: None)
     config = PreTrainedConfig()
     config._experts_implementation = "moezoo"
     spec = MoeLayerSpec(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=2, expert_intermediate_size=width)
@@ -292,3 +295,11 @@ def test_int32_and_non_contiguous_expert_indices_route_alike(native_calls):
         strided = experts(hidden_states, index.t().contiguous().t(), weights)  # same values, column-major
     assert native_calls["swiglu_forward"] == 3
     assert torch.equal(as_int32, expected) and torch.equal(strided, expected)
+
+
+def test_pytorch_sort_without_the_native_library_equals_the_c_sort(monkeypatch):
+    _, index, _ = skewed_routing()
+    sorted_in_c, hit_in_c = sorted_experts._sort_pairs(index, EXPERTS)
+    monkeypatch.setattr(sorted_experts, "native_library", lambda: None)
+    sorted_in_pytorch, hit_in_pytorch = sorted_experts._sort_pairs(index, EXPERTS)
+    assert torch.equal(sorted_in_c, sorted_in_pytorch) and hit_in_c == hit_in_pytorch == 9

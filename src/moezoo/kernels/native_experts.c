@@ -17,9 +17,9 @@
  * for these kernels. Last, moezoo_read_floats: the plain streaming read that the benchmark sets beside these kernels
  * as the fastest any of them could read its weights.
  *
- * Compiled on first use by moezoo/kernels/native.py with -O3 -march=native. Written with GCC/Clang vector
- * extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without AVX-512; it is
- * tuned and tested on AVX-512 only.
+ * Compiled on first use by moezoo/kernels/native.py for this CPU (-march=native; its BASE_FLAGS). Written with
+ * GCC/Clang vector extensions rather than intrinsics (streaming stores aside), so it also builds for CPUs without
+ * AVX-512; it is tuned and tested on AVX-512 only.
  */
 #include <stdint.h>
 #include <stdlib.h>

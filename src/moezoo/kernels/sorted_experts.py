@@ -131,19 +131,51 @@ def _expert_index_error(top_k_index: torch.Tensor, num_experts: int) -> ValueErr
     )
 
 
+def _sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int]:
+    """The (token, slot) pairs of one call grouped by expert, stably, and the number of experts they reach.
+
+    One int64 tensor holds the pair order (S,) (the slots token * k + j of expert 0, then of expert 1, ...) followed by
+    the expert offsets (E+1,): see `_order_and_offsets`. Sorted by moezoo's native counting sort when it is built (one
+    C pass instead of PyTorch's bincount, argsort and cumsum, which cost ~5% of a 64-token forward), else by PyTorch.
+    An index outside the layer's experts raises a `ValueError` naming it."""
+    library = native_library()
+    if library is None:
+        flat_ids = top_k_index.reshape(-1)
+        if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
+            raise _expert_index_error(top_k_index, num_experts)
+        counts = torch.bincount(flat_ids, minlength=num_experts)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return torch.cat([torch.argsort(flat_ids, stable=True), offsets]), int(counts.count_nonzero())
+    expert_index = top_k_index
+    if expert_index.dtype != torch.int64 or not expert_index.is_contiguous():
+        expert_index = expert_index.to(torch.int64).contiguous()
+    num_pairs = expert_index.numel()
+    sorted_pairs = torch.empty(num_pairs + num_experts + 1, dtype=torch.int64)
+    experts_hit = library.moezoo_sort_pairs(
+        expert_index.data_ptr(), num_pairs, num_experts, *_order_and_offsets(sorted_pairs, num_pairs)
+    )
+    if experts_hit < 0:
+        raise _expert_index_error(top_k_index, num_experts)
+    return sorted_pairs, experts_hit
+
+
+def _order_and_offsets(sorted_pairs: torch.Tensor, num_pairs: int) -> tuple[int, int]:
+    """The addresses of the pair order and of the expert offsets, which `_sort_pairs` holds one after the other."""
+    address = sorted_pairs.data_ptr()
+    return address, address + num_pairs * sorted_pairs.element_size()
+
+
 class _Segments:
-    """The (token, slot) pairs of one call sorted by expert: `order` (S,) and each expert's row count.
+    """The (token, slot) pairs of one call sorted by expert (`_sort_pairs`): `order` (S,) and each expert's row count.
 
     Per-expert views are made with one `split` / `unbind` call each, which keeps the Python work per expert to a
     single GEMM call: at small batches that overhead is comparable to the GEMMs themselves.
     """
 
-    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
-        flat_ids = top_k_index.reshape(-1)
-        if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
-            raise _expert_index_error(top_k_index, num_experts)
-        self.order = torch.argsort(flat_ids, stable=True)
-        self.counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    def __init__(self, sorted_pairs: torch.Tensor, num_pairs: int):
+        self.order = sorted_pairs[:num_pairs]
+        self.counts = sorted_pairs[num_pairs:].diff().tolist()
         self.hit = [expert for expert, count in enumerate(self.counts) if count]
 
     def rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -289,13 +321,11 @@ def _activation_backward(module, projected, grad_weighted, pair_weights, need_we
 
 
 def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
-                     projected):
-    """The forward pass, writing the up projection into `projected` (S, out_features of W_up).
-
-    Returns the output (T, H), the pair order, the segments and the per-pair routing weights (S, 1)."""
+                     segments, projected):
+    """The forward pass over the pairs of `segments`, writing the up projection into `projected` (S, out_features of
+    W_up). Returns the output (T, H) and the per-pair routing weights (S, 1)."""
     num_tokens, hidden_dim = hidden_states.shape
     top_k = top_k_index.shape[1]
-    segments = _Segments(top_k_index, up_weight.shape[0])
     order = segments.order
     token_of_pair = order // top_k
 
@@ -309,18 +339,22 @@ def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bi
         out_rows, weight_rows = segments.rows(expert_out), segments.rows(pair_weights)
         for expert in segments.hit:
             out_rows[expert].addmm_(weight_rows[expert], down_bias[expert].unsqueeze(0))
-    return _sum_pairs(expert_out, token_of_pair, num_tokens), order, segments, pair_weights
+    return _sum_pairs(expert_out, token_of_pair, num_tokens), pair_weights
 
 
 class _SortedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
+                segments):
         up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
         projected = hidden_states.new_empty(top_k_index.numel(), up_features)  # kept for the backward pass
-        output, order, segments, pair_weights = _experts_forward(
-            hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module, projected
+        output, pair_weights = _experts_forward(
+            hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module, segments,
+            projected,
         )
-        ctx.save_for_backward(hidden_states, order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias)
+        ctx.save_for_backward(
+            hidden_states, segments.order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias
+        )
         ctx.segments = segments
         ctx.module = module
         ctx.top_k = top_k_index.shape[1]
@@ -331,7 +365,7 @@ class _SortedExperts(torch.autograd.Function):
         hidden_states, order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias = ctx.saved_tensors
         segments, module, top_k = ctx.segments, ctx.module, ctx.top_k
         transposed = module.is_transposed
-        need_x, _, need_weights, need_up_w, need_up_b, need_down_w, need_down_b, _ = ctx.needs_input_grad
+        need_x, _, need_weights, need_up_w, need_up_b, need_down_w, need_down_b, _, _ = ctx.needs_input_grad
         num_pairs, hidden_dim = order.numel(), hidden_states.shape[-1]
         token_of_pair = order // top_k
 
@@ -370,7 +404,7 @@ class _SortedExperts(torch.autograd.Function):
         if need_x:
             grad_pair_inputs = _project_back(grad_projected, up_weight, segments, transposed, pair_buffer)
             grad_x = _sum_pairs(grad_pair_inputs, token_of_pair, hidden_states.shape[0]).to(hidden_states.dtype)
-        return grad_x, None, grad_weights, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None
+        return grad_x, None, grad_weights, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None
 
 
 def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> torch.Tensor:
@@ -390,14 +424,11 @@ def _swiglu_backward(projected: torch.Tensor, grad_activated: torch.Tensor) -> t
 NATIVE_MAX_PAIRS_PER_EXPERT = 40
 
 
-def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down_weight) -> torch.Tensor | None:
-    """The pairs sorted by expert when `native_experts.c` takes this call, else None: one int64 tensor holding the pair
-    order (S,), then the expert offsets (E+1,) (see `_order_and_offsets`). The kernels cover fused SwiGLU without
-    biases, fp32, contiguous weights in transformers' layout, sizes that are multiples of 64, and few pairs per expert
-    that has any. Every tensor op saved here counts: at 64 tokens the Python around the C calls is ~5% of the call."""
-    num_experts, hidden, width = down_weight.shape[0], hidden_states.shape[-1], down_weight.shape[-1]
-    library = native_library()
-    if not (
+def _runs_natively(module, hidden_states, up_weight, up_bias, down_weight, num_pairs: int, experts_hit: int) -> bool:
+    """Whether `native_experts.c` takes this call: fused SwiGLU without biases, fp32, contiguous weights in
+    transformers' layout, sizes that are multiples of 64, and few pairs per expert that has any."""
+    hidden, width = hidden_states.shape[-1], down_weight.shape[-1]
+    return (
         _has_fused_swiglu(module)
         and up_bias is None
         and not module.is_transposed
@@ -406,32 +437,13 @@ def _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, down
         and down_weight.is_contiguous()
         and hidden % 64 == 0
         and width % 64 == 0
-        and library is not None
-    ):
-        return None
-    expert_index = top_k_index
-    if expert_index.dtype != torch.int64 or not expert_index.is_contiguous():
-        expert_index = expert_index.to(torch.int64).contiguous()
-    num_pairs = expert_index.numel()
-    sorted_pairs = torch.empty(num_pairs + num_experts + 1, dtype=torch.int64)
-    experts_hit = library.moezoo_sort_pairs(
-        expert_index.data_ptr(), num_pairs, num_experts, *_order_and_offsets(sorted_pairs, num_pairs)
+        and num_pairs <= NATIVE_MAX_PAIRS_PER_EXPERT * experts_hit
+        and native_library() is not None
     )
-    if experts_hit < 0:
-        raise _expert_index_error(top_k_index, num_experts)
-    if num_pairs > NATIVE_MAX_PAIRS_PER_EXPERT * experts_hit:
-        return None
-    return sorted_pairs
-
-
-def _order_and_offsets(sorted_pairs: torch.Tensor, num_pairs: int) -> tuple[int, int]:
-    """The addresses of the pair order and of the expert offsets, which `moezoo_sort_pairs` writes one after the other."""
-    address = sorted_pairs.data_ptr()
-    return address, address + num_pairs * sorted_pairs.element_size()
 
 
 def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs, projected):
-    """The forward pass on the native kernels (T, H), for the pairs sorted by `_native_routing`, writing the up
+    """The forward pass on the native kernels (T, H), for the pairs sorted by `_sort_pairs`, writing the up
     projection at the address `projected` (S, 2I); also returns the routing weights as fp32, for the backward pass."""
     (num_tokens, hidden), (num_experts, _, width) = hidden_states.shape, down_weight.shape
     num_pairs = top_k_index.numel()
@@ -503,18 +515,20 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     down_bias = module.down_proj_bias if module.has_bias else None
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    sorted_pairs = _native_routing(module, hidden_states, top_k_index, up_weight, up_bias, module.down_proj)
-    if sorted_pairs is not None:
+    num_pairs = top_k_index.numel()
+    sorted_pairs, experts_hit = _sort_pairs(top_k_index, module.down_proj.shape[0])
+    if _runs_natively(module, hidden_states, up_weight, up_bias, module.down_proj, num_pairs, experts_hit):
         native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, sorted_pairs)
         if needs_grad:
             return _NativeSwiGLUExperts.apply(*native_inputs)
-        projected = _WORKSPACE.address("projected", top_k_index.numel() * up_weight.shape[-2], hidden_states)
+        projected = _WORKSPACE.address("projected", num_pairs * up_weight.shape[-2], hidden_states)
         return _native_forward(*native_inputs, projected)[0]
+    segments = _Segments(sorted_pairs, num_pairs)
     if needs_grad:
-        return _SortedExperts.apply(*inputs, module)
+        return _SortedExperts.apply(*inputs, module, segments)
     up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
-    projected = _WORKSPACE.get("projected", (top_k_index.numel(), up_features), hidden_states)
-    return _experts_forward(*inputs, module, projected)[0]
+    projected = _WORKSPACE.get("projected", (num_pairs, up_features), hidden_states)
+    return _experts_forward(*inputs, module, segments, projected)[0]
 
 
 ExpertsInterface.register(IMPLEMENTATION_NAME, sorted_experts_forward)
