@@ -18,6 +18,11 @@ TOY_ENV = {"MOEZOO_EXTRA_PRESETS": "toy_arch.presets", "PYTHONPATH": str(TESTS)}
 # First lines of a child process in which neither moezoo nor the toy package can be imported.
 WITHOUT_MOEZOO = "import sys\nsys.modules['moezoo'] = None\nsys.modules['toy_arch'] = None\n"
 
+# Triton runs on the CPU only in its interpreter, which must be on before triton decorates the first kernel; child
+# processes inherit it. On a machine with a GPU the kernels are compiled and tested on it instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # `make test` runs one pytest-xdist worker per core: each worker, and every process it starts, computes on one thread
 # so the workers do not fight over the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from moezoo.cli import main
 
 
@@ -50,8 +53,6 @@ def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys):
 
 
 def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkeypatch):
-    import torch
-
     from moezoo.bench import moe_layer
 
     monkeypatch.setattr(moe_layer, "last_level_cache_bytes", lambda: 100_000)
@@ -72,8 +73,6 @@ def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkey
 
 def test_float64_reference_propagates_the_same_upstream_gradient_in_bfloat16():
     """In bf16 every implementation is off float64 by bf16 rounding only (not by a different upstream gradient)."""
-    import torch
-
     from moezoo.bench.moe_layer import run_moe_layer_bench
 
     rows, _ = run_moe_layer_bench(
@@ -82,3 +81,38 @@ def test_float64_reference_propagates_the_same_upstream_gradient_in_bfloat16():
     )
     for row in rows:
         assert 0 < row.max_abs_err_vs_fp64 < 0.1, row
+
+
+def test_triton_rows_are_skipped_where_the_kernels_do_not_run(capsys):
+    """moezoo_triton is timed on GPUs only, and forward only; elsewhere its row says why it is empty."""
+    from moezoo.bench.moe_layer import split_runnable
+
+    implementations = ("grouped_mm", "moezoo_triton")
+    assert split_runnable(implementations, 64, 32, 16, 4, device="cuda") == (list(implementations), {})
+    runnable, skipped = split_runnable(implementations, 64, 32, 16, 4, device="cpu")
+    assert runnable == ["grouped_mm"] and "GPUs only" in skipped["moezoo_triton"]
+    runnable, skipped = split_runnable(implementations, 64, 32, 16, 4, passes=2, device="cuda")
+    assert runnable == ["grouped_mm"] and "forward kernels" in skipped["moezoo_triton"]
+
+    assert main(["bench", "moe-layer", "--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                 "--expert-width", "16", "--impl", "eager", "moezoo_triton", "--mode", "fwd",
+                 "--seconds-per-case", "0", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["impl"], row["ms"] is None) for row in rows] == [("eager", False), ("moezoo_triton", True)]
+    if not torch.cuda.is_available():
+        assert main(["bench", "moe-layer", "--tokens", "8", "--device", "cuda", "--json"]) == 2
+        assert "torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_moe_layer_on_a_gpu():
+    result = moezoo("bench", "moe-layer", "--device", "cuda", "--tokens", "64", "512", "--experts", "16",
+                    "--hidden", "256", "--expert-width", "128", "--seconds-per-case", "0.5", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    triton_rows = [row for row in rows if row["impl"] == "moezoo_triton"]
+    assert [row["mode"] for row in triton_rows] == ["fwd", "fwd_bwd", "fwd", "fwd_bwd"]
+    for row in triton_rows:
+        assert (row["ms"] is not None) == (row["mode"] == "fwd")
+        if row["ms"] is not None:
+            assert row["max_rel_diff_vs_eager"] <= 1e-5 and row["speedup_vs_best_transformers"] > 0

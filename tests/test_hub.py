@@ -84,6 +84,33 @@ def test_fresh_process_without_moezoo_loads_every_auto_class(toy_folders):
     assert "(2, 16)" in result.stdout
 
 
+@pytest.mark.parametrize("triton_installed", [True, False])
+def test_remote_code_runs_the_triton_experts_and_does_not_require_triton(toy_folders, triton_installed):
+    """The exported code carries the Triton kernels (run here in the interpreter, tests/conftest.py); where triton is
+    missing the folder still loads, and `moezoo_triton` hands its calls to `moezoo`."""
+    _, exported = toy_folders
+    assert (exported / "kernels_triton_kernels.py").is_file()
+    result = run_python(f"""
+        import sys
+        if not {triton_installed}:
+            sys.modules["triton"] = None
+        import torch
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained({str(exported)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
+        outputs = {{}}
+        for implementation in ("eager", "moezoo_triton"):
+            model.set_experts_implementation(implementation)
+            with torch.no_grad():
+                outputs[implementation] = model(input_ids=ids).last_hidden_state
+        kernels_loaded = any(name.endswith("kernels_triton_kernels") for name in sys.modules)
+        print(kernels_loaded, float((outputs["eager"] - outputs["moezoo_triton"]).abs().max()))
+    """, without_moezoo=True)
+    kernels_loaded, max_diff = result.stdout.split()
+    assert kernels_loaded == str(triton_installed)
+    assert float(max_diff) < 1e-5
+
+
 def test_installed_moezoo_loads_without_remote_code(toy_folders):
     _, exported = toy_folders
     result = run_python(f"""

@@ -351,6 +351,7 @@ def _add_bench(commands) -> None:
         """
         moezoo bench moe-layer
         moezoo bench moe-layer --tokens 512 --experts 8 --top-k 2 --hidden 256 --expert-width 512
+        moezoo bench moe-layer --device cuda --dtype bfloat16 --mode fwd
         """,
     )
     moe_layer.add_argument("--tokens", type=int, nargs="+", default=[64, 2048, 8192])
@@ -359,7 +360,12 @@ def _add_bench(commands) -> None:
     moe_layer.add_argument("--hidden", type=int, default=512)
     moe_layer.add_argument("--expert-width", type=int, default=256)
     moe_layer.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    moe_layer.add_argument("--impl", nargs="+", default=None, help="implementations to time (default: all)")
+    moe_layer.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: the same cases on a GPU, with moezoo's Triton kernels (moezoo_triton) in place of its CPU path",
+    )
+    moe_layer.add_argument("--impl", nargs="+", default=None,
+                           help="implementations to time (default: all that run on the device)")
     moe_layer.add_argument("--mode", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     moe_layer.add_argument("--seconds-per-case", type=float, default=6.0, help="time budget per (tokens, mode)")
     add_threads_argument(moe_layer)
@@ -394,7 +400,7 @@ def _add_bench(commands) -> None:
 def _run_bench_moe_layer(args) -> int:
     import torch
 
-    from .bench.moe_layer import DEFAULT_IMPLEMENTATIONS, print_moe_layer_table, rows_as_dicts, run_moe_layer_bench
+    from .bench.moe_layer import default_implementations, print_moe_layer_table, rows_as_dicts, run_moe_layer_bench
     from .terminal import progress_bar
 
     apply_threads(args)
@@ -408,10 +414,11 @@ def _run_bench_moe_layer(args) -> int:
             hidden=args.hidden,
             expert_width=args.expert_width,
             dtype=getattr(torch, args.dtype),
-            implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
+            implementations=args.impl or default_implementations(args.device),
             modes=args.mode,
             seconds_per_case=args.seconds_per_case,
             on_case_done=lambda case: progress.update(task, advance=1, description=case),
+            device=args.device,
         )
     if args.json:
         print(json.dumps(rows_as_dicts(rows), indent=2))
@@ -420,7 +427,8 @@ def _run_bench_moe_layer(args) -> int:
         rows,
         peak,
         f"MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width {args.expert_width}, "
-        f"{args.dtype}",
+        f"{args.dtype}, {args.device}",
+        device=args.device,
     )
     return 0
 

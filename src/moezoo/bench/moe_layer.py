@@ -9,6 +9,9 @@ before it. Measured in the same run: a dense matmul peak, against which each row
 time to read the weights of the experts a case hits once, which no implementation can beat when each expert sees
 only a few tokens. Accuracy is measured against `eager`, and against `eager` in float64 (the exact result up to
 float64 rounding) so that each implementation's error stands beside `eager`'s own.
+
+With `device="cuda"` the same cases run on a GPU (its L2 cache in place of the CPU's last-level cache), where moezoo's
+Triton kernels (`moezoo_triton`) take the place of its CPU implementation.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ..kernels.native import native_library
 from ..kernels.sorted_experts import NATIVE_MAX_PAIRS_PER_EXPERT
-from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
+from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, TRITON_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
 from ..terminal import console, print_table
 from .timing import last_level_cache_bytes, time_round_robin
 
 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 DEFAULT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", SORTED_EXPERTS_IMPLEMENTATION)
+GPU_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", TRITON_EXPERTS_IMPLEMENTATION)
+DEVICES = ("cpu", "cuda")
 MODES = ("fwd", "fwd_bwd")
 # batched_mm materialises one weight matrix per (token, slot) pair; rows that would need more are skipped.
 BATCHED_MM_MEMORY_LIMIT_BYTES = 3 * 2**30
@@ -71,35 +76,59 @@ def check_implementations(implementations: Sequence[str]) -> None:
             raise ValueError(f"unknown experts implementation {impl!r}; registered: {', '.join(known)}")
 
 
+def default_implementations(device: str) -> tuple[str, ...]:
+    return GPU_IMPLEMENTATIONS if device == "cuda" else DEFAULT_IMPLEMENTATIONS
+
+
 def split_runnable(
-    implementations: Sequence[str], pairs: int, hidden: int, expert_width: int, element_size: int, passes: int = 1
+    implementations: Sequence[str], pairs: int, hidden: int, expert_width: int, element_size: int, passes: int = 1,
+    device: str = "cpu",
 ) -> tuple[list[str], dict[str, str]]:
     """The implementations to run on `pairs` (token, slot) pairs of SwiGLU experts, and the skipped ones with why:
-    batched_mm copies the gate/up and down weights of one expert per pair (a backward pass copies them again)."""
+    batched_mm copies the gate/up and down weights of one expert per pair (a backward pass copies them again);
+    moezoo's Triton kernels serve forward passes on GPUs (anything else they hand to another implementation)."""
     weight_copies = passes * pairs * 3 * hidden * expert_width * element_size
     runnable, skipped = [], {}
     for impl in implementations:
         if impl == "batched_mm" and weight_copies > BATCHED_MM_MEMORY_LIMIT_BYTES:
             skipped[impl] = f"skipped: would copy {weight_copies / 2**30:.1f} GiB of expert weights"
+        elif impl == TRITON_EXPERTS_IMPLEMENTATION and device != "cuda":
+            skipped[impl] = "skipped: Triton kernels, GPUs only (--device cuda)"
+        elif impl == TRITON_EXPERTS_IMPLEMENTATION and passes > 1:
+            skipped[impl] = "skipped: forward kernels (training calls run grouped_mm)"
         else:
             runnable.append(impl)
     return runnable, skipped
 
 
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
+def _synchronize(device: str) -> None:
+    """Wait for the work queued on `device` (GPU kernels run asynchronously; a CPU call has finished on return)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5,
+                        device: str = "cpu") -> float:
     """Best GFLOP/s of a dense (size x size) @ (size x size) matmul on this machine, now."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     a @ b
     best = float("inf")
     for _ in range(repeats):
+        _synchronize(device)
         start = time.perf_counter()
         a @ b
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 
 
-def _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed):
+def _cache_bytes(device: str) -> int:
+    """The cache a layer's weights would have to exceed: the CPU's last level, or the GPU's L2."""
+    return torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else last_level_cache_bytes()
+
+
+def _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed, device="cpu"):
     """The config all implementations are selected on, identical copies of the experts (enough of them to exceed the
     last-level cache together, at most `MAX_LAYER_COPIES`), and a float64 copy (same config, same weights)."""
     torch.manual_seed(seed)
@@ -112,9 +141,9 @@ def _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed):
         experts.gate_up_proj.normal_(std=hidden**-0.5)
         experts.down_proj.normal_(std=expert_width**-0.5)
     weight_bytes = sum(parameter.nbytes for parameter in experts.parameters())
-    count = max(2, min(MAX_LAYER_COPIES, math.ceil(1.5 * last_level_cache_bytes() / weight_bytes) + 1))
-    layers = [experts] + [_copy(config, spec, experts, dtype) for _ in range(count - 1)]
-    return config, layers, _copy(config, spec, experts, torch.float64)
+    count = max(2, min(MAX_LAYER_COPIES, math.ceil(1.5 * _cache_bytes(device) / weight_bytes) + 1))
+    layers = [experts.to(device)] + [_copy(config, spec, experts, dtype).to(device) for _ in range(count - 1)]
+    return config, layers, _copy(config, spec, experts, torch.float64).to(device)
 
 
 def _copy(config, spec, experts, dtype):
@@ -125,12 +154,13 @@ def _copy(config, spec, experts, dtype):
 
 def measure_weights_read_ms(layers: Sequence[torch.nn.Module], repeats: int = 5) -> float:
     """Median ms to read one layer's weights once from memory, cycling through the layers so that no read finds them
-    in the caches: with moezoo's native streaming read, else (no C compiler) with `torch.sum`."""
+    in the caches: with moezoo's native streaming read, else (no C compiler, a GPU) with `torch.sum`."""
     library = native_library()
     total = torch.zeros(1)
+    device = next(layers[0].parameters()).device.type
 
     def read(weight: torch.Tensor) -> None:
-        if library is None or weight.dtype != torch.float32:
+        if library is None or weight.dtype != torch.float32 or device != "cpu":
             weight.sum()
         else:
             library.moezoo_read_floats(weight.data_ptr(), weight.numel(), total.data_ptr(), torch.get_num_threads())
@@ -139,15 +169,17 @@ def measure_weights_read_ms(layers: Sequence[torch.nn.Module], repeats: int = 5)
     times = []
     for _ in range(len(layers) + max(repeats, len(layers))):
         layer_weights = next(weights)
+        _synchronize(device)
         start = time.perf_counter()
         for weight in layer_weights:
             read(weight)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     times = times[len(layers):]  # the first pass over the layers may find some of them in the caches
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed):
+def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed, device="cpu"):
     generator = torch.Generator().manual_seed(seed + tokens)
     hidden_states = torch.randn(tokens, hidden, generator=generator, dtype=torch.float32).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=generator)
@@ -156,7 +188,7 @@ def _make_routing(tokens, num_experts, top_k, hidden, dtype, seed):
     # A fixed, non-uniform upstream gradient (a stride-0 one from .sum() is not what models produce), computed in
     # float64 and rounded once, so that the float64 reference gets exactly the same one.
     upstream = torch.cos(torch.arange(tokens * hidden, dtype=torch.float64)).view(tokens, hidden).to(dtype)
-    return hidden_states, index, weights, upstream
+    return tuple(tensor.to(device) for tensor in (hidden_states, index, weights, upstream))
 
 
 def _run(config, experts, impl, mode, hidden_states, index, weights, upstream):
@@ -176,9 +208,11 @@ def _run(config, experts, impl, mode, hidden_states, index, weights, upstream):
     return results
 
 
-def _run_next(config, next_layer, impl, mode, *inputs):
-    """`_run` on the next copy of the layer."""
-    return _run(config, next_layer(), impl, mode, *inputs)
+def _run_next(config, next_layer, device, impl, mode, *inputs):
+    """`_run` on the next copy of the layer, finished on return (the timed call)."""
+    results = _run(config, next_layer(), impl, mode, *inputs)
+    _synchronize(device)
+    return results
 
 
 def _max_diffs(results, reference, exact) -> tuple[float, float, float]:
@@ -202,29 +236,35 @@ def run_moe_layer_bench(
     max_rounds: int = 25,
     seed: int = 0,
     on_case_done: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> tuple[list[BenchRow], float]:
     """Time every implementation on every (tokens, mode) case; returns the rows and the matmul peak (GFLOP/s)."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here")
     check_implementations(implementations)
-    config, layers, exact = _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed)
+    config, layers, exact = _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed, device)
     experts, next_layer = layers[0], itertools.cycle(layers).__next__
     # Measured before and after the cases, the best of both: a shared machine busy at one of them reads low.
-    peak = measure_matmul_peak(dtype)
+    peak = measure_matmul_peak(dtype, device=device)
     layer_read_ms = measure_weights_read_ms(layers)
     element_size = torch.empty((), dtype=dtype).element_size()
     rows: list[BenchRow] = []
     experts_hit: dict[int, int] = {}
     for num_tokens in tokens:
-        inputs = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
+        inputs = _make_routing(num_tokens, num_experts, top_k, hidden, dtype, seed, device)
         hidden_states, index, weights, upstream = inputs  # upstream: the gradient fwd_bwd calls propagate back
         pairs = num_tokens * top_k
         experts_hit[num_tokens] = index.unique().numel()
         forward_flops = 6 * pairs * hidden * expert_width
         for mode in modes:
             runnable, skipped = split_runnable(
-                implementations, pairs, hidden, expert_width, element_size, passes=2 if mode == "fwd_bwd" else 1
+                implementations, pairs, hidden, expert_width, element_size, passes=2 if mode == "fwd_bwd" else 1,
+                device=device,
             )
             reference = _run(config, experts, "eager", mode, *inputs)
             exact_inputs = (hidden_states.double(), index, weights.double(), upstream.double())
@@ -235,7 +275,7 @@ def run_moe_layer_bench(
             }
             del reference, exact_results
             timings = time_round_robin(
-                {impl: partial(_run_next, config, next_layer, impl, mode, *inputs) for impl in runnable},
+                {impl: partial(_run_next, config, next_layer, device, impl, mode, *inputs) for impl in runnable},
                 seconds_per_case,
                 max_rounds,
                 min_rounds=MIN_ROUNDS,
@@ -263,7 +303,7 @@ def run_moe_layer_bench(
             if on_case_done:
                 on_case_done(f"{num_tokens} tokens, {mode}")
     config._experts_implementation = None
-    peak = max(peak, measure_matmul_peak(dtype))
+    peak = max(peak, measure_matmul_peak(dtype, device=device))
     layer_read_ms = min(layer_read_ms, measure_weights_read_ms(layers))
     for row in rows:
         row.weights_read_ms = layer_read_ms * experts_hit[row.tokens] / num_experts
@@ -276,7 +316,7 @@ def rows_as_dicts(rows: Sequence[BenchRow]) -> list[dict]:
     return [asdict(row) for row in rows]
 
 
-def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str) -> None:
+def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str, device: str = "cpu") -> None:
     print_table(
         f"{title}; dense matmul peak {peak:.0f} GFLOP/s",
         ["impl", "tokens", "mode", "ms", "GFLOP/s", "% of peak", "max |Δ| vs eager", "rel |Δ|", "max |Δ| vs fp64",
@@ -297,6 +337,12 @@ def print_moe_layer_table(rows: Sequence[BenchRow], peak: float, title: str) -> 
         + ", ".join(f"{ms:.2f} ms at {tokens} tokens" for tokens, ms in read_floors.items())
         + " (one streaming read, this run): no implementation's forward pass can be faster."
     )
+    if device == "cuda":
+        console.print(
+            f"{TRITON_EXPERTS_IMPLEMENTATION}: moezoo's Triton kernels (gather + gate/up GEMM + activation, then down "
+            "GEMM x routing weight), forward only; the other rows are transformers' implementations on this GPU."
+        )
+        return
     native = "built for this CPU" if native_library() is not None else "unavailable (no C compiler), PyTorch path"
     console.print(
         f"moezoo: native C kernels {native} for fp32 SwiGLU calls with at most {NATIVE_MAX_PAIRS_PER_EXPERT} "

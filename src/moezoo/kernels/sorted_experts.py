@@ -131,6 +131,12 @@ def _expert_index_error(top_k_index: torch.Tensor, num_experts: int) -> ValueErr
     )
 
 
+def check_expert_index(top_k_index: torch.Tensor, num_experts: int) -> None:
+    """Raise a `ValueError` naming the first expert index outside [0, num_experts) (reads the indices on the host)."""
+    if top_k_index.numel() and (int(top_k_index.min()) < 0 or int(top_k_index.max()) >= num_experts):
+        raise _expert_index_error(top_k_index, num_experts)
+
+
 def _sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int]:
     """The (token, slot) pairs of one call grouped by expert, stably, and the number of experts they reach.
 
@@ -140,9 +146,8 @@ def _sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     An index outside the layer's experts raises a `ValueError` naming it."""
     library = native_library()
     if library is None:
+        check_expert_index(top_k_index, num_experts)
         flat_ids = top_k_index.reshape(-1)
-        if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
-            raise _expert_index_error(top_k_index, num_experts)
         counts = torch.bincount(flat_ids, minlength=num_experts)
         offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-# Importing the kernel module registers "moezoo" in transformers' ExpertsInterface, in exported (flattened)
-# folders too, so `experts_implementation="moezoo"` works wherever the model code runs.
+# Importing the kernel modules registers "moezoo" and "moezoo_triton" in transformers' ExpertsInterface, in exported
+# (flattened) folders too, so `experts_implementation=` either works wherever the model code runs.
 from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
+from ...kernels.triton_experts import IMPLEMENTATION_NAME as TRITON_EXPERTS_IMPLEMENTATION  # noqa: F401
 
 
 class MoePreTrainedMixin:
