@@ -141,6 +141,14 @@ def _in_out_strides(weight: torch.Tensor, transposed: bool) -> tuple[int, int, i
     return (expert, third, second) if transposed else (expert, second, third)
 
 
+def _dot_precision(x: torch.Tensor) -> str | None:
+    """fp32 products in IEEE precision, as torch's own matmuls, unless torch allows TF32; else (16-bit inputs) the
+    backend's default."""
+    if x.dtype == torch.float32 and not (x.is_cuda and torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return None
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per tile: about the pairs an expert sees on average, within [MIN_BLOCK_M, MAX_BLOCK_M]."""
     return max(MIN_BLOCK_M, min(MAX_BLOCK_M, triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))))
@@ -172,7 +180,7 @@ def experts_forward(
     offsets = offsets.cumsum(0)
 
     x = hidden_states.contiguous()
-    precision = "tf32" if x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    precision = _dot_precision(x)
     block_m = _block_m(num_pairs, num_experts)
     row_blocks = triton.cdiv(num_tokens, block_m)
 
