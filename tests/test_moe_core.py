@@ -380,6 +380,23 @@ def test_wrong_hidden_size_and_nan_logits_name_the_layer():
         block(torch.randn(2, 3, 8), attention_mask=torch.ones(2, 4))
 
 
+@pytest.mark.parametrize("implementation", ["moezoo", "moezoo_triton"])
+def test_experts_called_with_mismatched_shapes_say_what_does_not_fit(implementation):
+    """moezoo's kernels index raw memory: inputs that do not fit the weights raise instead of reading past them."""
+    from moezoo.modeling.moe import SwiGLUExperts
+
+    spec = MoeLayerSpec(hidden_size=64, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64)
+    experts = SwiGLUExperts(experts_config(implementation), spec)
+    index, weights = torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="SwiGLUExperts: hidden_states has 128 features, but these experts take"):
+            experts(torch.randn(5, 128), index, weights)
+        with pytest.raises(ValueError, match=r"top_k_weights \(5, 3\) must have top_k_index's shape \(5, 2\)"):
+            experts(torch.randn(5, 64), index, torch.rand(5, 3))
+        with pytest.raises(ValueError, match=r"expected hidden_states \(tokens, hidden\)"):
+            experts(torch.randn(4, 64), index, weights)
+
+
 def test_router_logit_bias_enters_logits_and_trains():
     spec = MoeLayerSpec(hidden_size=8, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=4,
                         router_logit_bias=True)

@@ -137,6 +137,27 @@ def check_expert_index(top_k_index: torch.Tensor, num_experts: int) -> None:
         raise _expert_index_error(top_k_index, num_experts)
 
 
+def check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight) -> None:
+    """Raise a `ValueError` saying what does not fit when the inputs' shapes do not match each other or the experts'
+    weights: kernels that index raw memory would otherwise read past the end of a tensor."""
+    name = type(module).__name__
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"{name}: expected hidden_states (tokens, hidden) and top_k_index (tokens, k), got "
+            f"{tuple(hidden_states.shape)} and {tuple(top_k_index.shape)}"
+        )
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"{name}: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
+            f"{tuple(top_k_index.shape)}"
+        )
+    hidden = hidden_states.shape[1]
+    up_in = up_weight.shape[1] if module.is_transposed else up_weight.shape[2]
+    down_out = down_weight.shape[2] if module.is_transposed else down_weight.shape[1]
+    if hidden != up_in or hidden != down_out:
+        raise ValueError(f"{name}: hidden_states has {hidden} features, but these experts take and return {up_in}")
+
+
 def _sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, int]:
     """The (token, slot) pairs of one call grouped by expert, stably, and the number of experts they reach.
 
@@ -518,6 +539,7 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         up_weight = module.up_proj
         up_bias = module.up_proj_bias if module.has_bias else None
     down_bias = module.down_proj_bias if module.has_bias else None
+    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     num_pairs = top_k_index.numel()

@@ -32,7 +32,7 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from transformers.utils import logging
 from transformers.utils.import_utils import is_torchdynamo_compiling, is_triton_available
 
-from .sorted_experts import check_expert_index, sorted_experts_forward
+from .sorted_experts import check_expert_index, check_experts_inputs, sorted_experts_forward
 
 
 logger = logging.get_logger(__name__)
@@ -101,6 +101,7 @@ def triton_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     if reason is not None:
         logger.warning_once(f"moezoo_triton does not cover {reason}: such calls go to the `moezoo` implementation")
         return sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
     if hidden_states.device.type == "cpu":  # reading the indices costs a device sync elsewhere
         check_expert_index(top_k_index, module.down_proj.shape[0])
 
