@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import moezoo.bench.moe_layer
 from conftest import run_moezoo
@@ -92,9 +93,29 @@ def test_moe_layers_follow_the_depth():
         (["--layers", "0"], "num_hidden_layers must be a positive integer"),
         (["--batch-size", "0"], "batch sizes must be positive"),
         (["--threads", "0"], "--threads must be positive"),
+        pytest.param(["--device", "cuda"], "torch sees no CUDA GPU",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ],
 )
 def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys, arguments, message):
     assert main(["bench", "moe-vie", "--size", "tiny", *arguments, "--json"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_bfloat16_towers_on_each_device(device):
+    """In bf16 every tower runs; on a GPU moezoo's Triton kernels take the place of its CPU implementation."""
+    config = MoeVieVisionConfig(**{**TINY_MOE_VIE["vision_config"], "image_size": 12})
+    implementations = moezoo.bench.moe_layer.default_implementations(device)
+    rows = run_moe_vie_bench(config, batch_sizes=(2,), implementations=implementations, seconds_per_case=0.0,
+                             max_rounds=1, device=device, dtype=torch.bfloat16)
+    assert [row.impl for row in rows] == [None, None, *implementations]
+    for row in rows:
+        assert row.ms > 0, row
+        if row.model == "moe_vie":
+            assert row.max_abs_diff_vs_eager < 0.1, row
+    if device == "cuda":
+        assert "moezoo_triton" in implementations

@@ -380,6 +380,7 @@ def _add_bench(commands) -> None:
         moezoo bench moe-vie
         moezoo bench moe-vie --batch-size 16 --impl grouped_mm moezoo --json
         moezoo bench moe-vie --size b16 --batch-size 4 --seconds-per-case 60
+        moezoo bench moe-vie --size h14 --device cuda --dtype bfloat16 --batch-size 16 32 64 128
         """,
     )
     moe_vie.add_argument(
@@ -390,7 +391,11 @@ def _add_bench(commands) -> None:
     moe_vie.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     moe_vie.add_argument("--image-size", type=int, default=None, help="square resolution (default: the size's)")
     moe_vie.add_argument("--layers", type=int, default=None, help="depth (default: the size's); MoE in all but block 0")
-    moe_vie.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
+    moe_vie.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                         help="cuda: on a GPU, with moezoo's Triton kernels (moezoo_triton) in place of its CPU path")
+    moe_vie.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    moe_vie.add_argument("--impl", nargs="+", default=None,
+                         help="experts implementations to time (default: all that run on the device)")
     moe_vie.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per batch size")
     add_threads_argument(moe_vie)
     moe_vie.add_argument("--json", action="store_true", help="print the rows as a JSON list")
@@ -436,7 +441,7 @@ def _run_bench_moe_layer(args) -> int:
 def _run_bench_moe_vie(args) -> int:
     import torch
 
-    from .bench.moe_layer import DEFAULT_IMPLEMENTATIONS, rows_as_dicts
+    from .bench.moe_layer import default_implementations, rows_as_dicts
     from .bench.moe_vie import moe_vie_bench_config, print_moe_vie_table, run_moe_vie_bench
     from .terminal import progress_bar
 
@@ -447,9 +452,11 @@ def _run_bench_moe_vie(args) -> int:
         rows = run_moe_vie_bench(
             config,
             batch_sizes=args.batch_size,
-            implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
+            implementations=args.impl or default_implementations(args.device),
             seconds_per_case=args.seconds_per_case,
             on_case_done=lambda case: progress.update(task, advance=1, description=case),
+            device=args.device,
+            dtype=getattr(torch, args.dtype),
         )
     if args.json:
         print(json.dumps(rows_as_dicts(rows), indent=2))
@@ -460,7 +467,8 @@ def _run_bench_moe_vie(args) -> int:
         f"Vision towers ({args.size}): width {config.hidden_size}, {config.num_hidden_layers} layers "
         f"({len(config.moe_layers)} MoE: {config.n_shared_experts} shared + top-{config.num_experts_per_tok} of "
         f"{config.n_routed_experts} experts of width {config.moe_intermediate_size}), {config.num_attention_heads} "
-        f"heads, {grid}x{grid} = {grid * grid} tokens per image; fp32, sdpa, threads: {torch.get_num_threads()}",
+        f"heads, {grid}x{grid} = {grid * grid} tokens per image; {args.dtype}, sdpa, "
+        + (f"{torch.cuda.get_device_name()}" if args.device == "cuda" else f"CPU threads: {torch.get_num_threads()}"),
     )
     return 0
 

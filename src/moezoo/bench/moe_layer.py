@@ -101,10 +101,18 @@ def split_runnable(
     return runnable, skipped
 
 
-def _synchronize(device: str) -> None:
+def synchronize(device: str) -> None:
     """Wait for the work queued on `device` (GPU kernels run asynchronously; a CPU call has finished on return)."""
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def check_device(device: str) -> None:
+    """Raise a `ValueError` unless `device` is one the benchmarks run on, and present."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here")
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5,
@@ -115,10 +123,10 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 2048, re
     a @ b
     best = float("inf")
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         a @ b
-        _synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 
@@ -169,11 +177,11 @@ def measure_weights_read_ms(layers: Sequence[torch.nn.Module], repeats: int = 5)
     times = []
     for _ in range(len(layers) + max(repeats, len(layers))):
         layer_weights = next(weights)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         for weight in layer_weights:
             read(weight)
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     times = times[len(layers):]  # the first pass over the layers may find some of them in the caches
     return sorted(times)[len(times) // 2] * 1e3
@@ -211,7 +219,7 @@ def _run(config, experts, impl, mode, hidden_states, index, weights, upstream):
 def _run_next(config, next_layer, device, impl, mode, *inputs):
     """`_run` on the next copy of the layer, finished on return (the timed call)."""
     results = _run(config, next_layer(), impl, mode, *inputs)
-    _synchronize(device)
+    synchronize(device)
     return results
 
 
@@ -242,10 +250,7 @@ def run_moe_layer_bench(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here")
+    check_device(device)
     check_implementations(implementations)
     config, layers, exact = _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed, device)
     experts, next_layer = layers[0], itertools.cycle(layers).__next__

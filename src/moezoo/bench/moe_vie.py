@@ -1,9 +1,12 @@
 """`moezoo bench moe-vie`: images per second of the MoE-ViE vision tower, with every experts implementation, against
 a dense tower of the same active parameters and transformers' SigLIP2 tower of the same width and depth.
 
-All towers are randomly initialised (fixed seed, fp32, eval mode, no autograd) and see the same NaFlex batch: random
-pre-patchified pixels, a full square patch grid per image. They are timed round-robin in one run (one forward of
-each per round, median over rounds), so every ratio compares measurements taken under the same machine load.
+All towers are randomly initialised (fixed seed, fp32 unless asked otherwise, eval mode, no autograd) and see the
+same NaFlex batch: random pre-patchified pixels, a full square patch grid per image. They are timed round-robin in one
+run (one forward of each per round, median over rounds), so every ratio compares measurements taken under the same
+machine load. With `device="cuda"` they run on a GPU, where moezoo's Triton kernels (`moezoo_triton`) take the place
+of its CPU implementation: the paper's Tab. 7 protocol (MoE-ViE-H/14 with its "vanilla" expert loop, i.e. `eager`,
+against the kernels, beside dense towers) is `--size h14 --device cuda --dtype bfloat16 --batch-size 16 32 64 128`.
 
 - The dense tower is the MoE-ViE configuration without MoE layers whose MLPs are as wide as the active experts of a
   token, `(n_shared_experts + num_experts_per_tok) * moe_intermediate_size`: the same per-token compute and, up to
@@ -29,7 +32,14 @@ from ..configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, TINY_MOE_VIE, MoeV
 from ..modeling.moe import ParameterCounts, count_parameters
 from ..modeling.moe_vie import MoeVieVisionModel
 from ..terminal import console, print_table
-from .moe_layer import DEFAULT_IMPLEMENTATIONS, TRANSFORMERS_IMPLEMENTATIONS, check_implementations, split_runnable
+from .moe_layer import (
+    DEFAULT_IMPLEMENTATIONS,
+    TRANSFORMERS_IMPLEMENTATIONS,
+    check_device,
+    check_implementations,
+    split_runnable,
+    synchronize,
+)
 from .timing import time_round_robin
 
 
@@ -105,23 +115,28 @@ def siglip2_config(config: MoeVieVisionConfig) -> Siglip2VisionConfig:
     )
 
 
-def _naflex_batch(config: MoeVieVisionConfig, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
+def _naflex_batch(
+    config: MoeVieVisionConfig, batch_size: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Random normalised pixels (mean = std = 0.5 puts them in [-1, 1]) on a full square patch grid per image."""
     grid = config.image_size // config.patch_size
     patch_dim = config.num_channels * config.patch_size**2
     generator = torch.Generator().manual_seed(seed + batch_size)
     return dict(
-        pixel_values=torch.rand(batch_size, grid * grid, patch_dim, generator=generator) * 2 - 1,
-        pixel_attention_mask=torch.ones(batch_size, grid * grid, dtype=torch.int32),
-        spatial_shapes=torch.tensor([[grid, grid]] * batch_size),
+        pixel_values=(torch.rand(batch_size, grid * grid, patch_dim, generator=generator) * 2 - 1).to(device, dtype),
+        pixel_attention_mask=torch.ones(batch_size, grid * grid, dtype=torch.int32, device=device),
+        spatial_shapes=torch.tensor([[grid, grid]] * batch_size, device=device),
     )
 
 
-def _pooled(model, inputs: dict[str, torch.Tensor], impl: str | None = None) -> torch.Tensor:
-    """One forward; `impl` switches the experts implementation first (a walk over the modules, ~0.2 ms)."""
+def _pooled(model, inputs: dict[str, torch.Tensor], impl: str | None = None, device: str = "cpu") -> torch.Tensor:
+    """One forward, finished on return; `impl` switches the experts implementation first (a walk over the modules,
+    ~0.2 ms)."""
     if impl is not None:
         model.set_experts_implementation(impl)
-    return model(**inputs).pooler_output
+    pooled = model(**inputs).pooler_output
+    synchronize(device)
+    return pooled
 
 
 def _row(
@@ -140,8 +155,11 @@ def run_moe_vie_bench(
     max_rounds: int = 25,
     seed: int = 0,
     on_case_done: Callable[[str], None] | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> list[VieBenchRow]:
     """Time the SigLIP2, dense and MoE towers (the latter with every implementation) at every batch size."""
+    check_device(device)
     check_implementations(implementations)
     if not config.moe_layers:
         raise ValueError(f"the MoE tower has no MoE layer (num_hidden_layers={config.num_hidden_layers}); use >= 2")
@@ -149,25 +167,29 @@ def run_moe_vie_bench(
         if batch_size < 1:
             raise ValueError(f"batch sizes must be positive, got {batch_size}")
     torch.manual_seed(seed)
-    siglip2 = Siglip2VisionModel(siglip2_config(config)).eval()
-    dense = MoeVieVisionModel(dense_equivalent_config(config)).eval()
-    moe = MoeVieVisionModel(config).eval()
+    siglip2 = Siglip2VisionModel(siglip2_config(config)).to(device, dtype).eval()
+    dense = MoeVieVisionModel(dense_equivalent_config(config)).to(device, dtype).eval()
+    moe = MoeVieVisionModel(config).to(device, dtype).eval()
     counts = {"siglip2": count_parameters(siglip2), "dense": count_parameters(dense), "moe_vie": count_parameters(moe)}
     tokens = (config.image_size // config.patch_size) ** 2
     rows: list[VieBenchRow] = []
     with torch.no_grad():
         for batch_size in batch_sizes:
-            inputs = _naflex_batch(config, batch_size, seed)
+            inputs = _naflex_batch(config, batch_size, seed, device, dtype)
             pairs = batch_size * tokens * config.num_experts_per_tok
             runnable, skipped = split_runnable(
-                implementations, pairs, config.hidden_size, config.moe_intermediate_size, moe.dtype.itemsize
+                implementations, pairs, config.hidden_size, config.moe_intermediate_size, moe.dtype.itemsize,
+                device=device,
             )
-            reference = _pooled(moe, inputs, "eager")
-            diffs = {impl: float((_pooled(moe, inputs, impl) - reference).abs().max()) for impl in runnable}
-            calls = {"siglip2": partial(_pooled, siglip2, inputs), "dense": partial(_pooled, dense, inputs)}
+            reference = _pooled(moe, inputs, "eager", device)
+            diffs = {impl: float((_pooled(moe, inputs, impl, device) - reference).abs().max()) for impl in runnable}
+            calls = {
+                "siglip2": partial(_pooled, siglip2, inputs, device=device),
+                "dense": partial(_pooled, dense, inputs, device=device),
+            }
             for warm_up in calls.values():  # the MoE implementations have run for the accuracy check
                 warm_up()
-            calls |= {impl: partial(_pooled, moe, inputs, impl) for impl in runnable}
+            calls |= {impl: partial(_pooled, moe, inputs, impl, device) for impl in runnable}
             timings = time_round_robin(calls, seconds_per_case, max_rounds)
             ms = {name: seconds * 1e3 for name, seconds in timings.items()}
 
