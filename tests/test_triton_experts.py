@@ -187,3 +187,15 @@ def test_expert_index_outside_the_layer_is_named():
     index[3, 1] = 6
     with pytest.raises(ValueError, match="routes to expert 6, but this layer's experts are numbered 0..5"):
         run(module, "moezoo_triton", x, index, weights)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="16-bit products are not exact in Triton's interpreter; checked on GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_on_a_gpu(dtype, kernel_calls):
+    module = experts(SwiGLUExperts, "silu").to(dtype)
+    x, index, weights = routing(64, 6, 2, 48)
+    inputs = (x.to(dtype), index, weights.to(dtype))
+    expected = run(module, "grouped_mm", *inputs)
+    got = run(module, "moezoo_triton", *inputs)
+    assert kernel_calls and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
