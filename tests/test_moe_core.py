@@ -13,6 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from moezoo.modeling.moe import (
     MoeLayerSpec,
     SparseMoeBlock,
+    SwiGLUExperts,
     TopKRouter,
     load_balancing_loss,
     record_routing,
@@ -383,8 +384,6 @@ def test_wrong_hidden_size_and_nan_logits_name_the_layer():
 @pytest.mark.parametrize("implementation", ["moezoo", "moezoo_triton"])
 def test_experts_called_with_mismatched_shapes_say_what_does_not_fit(implementation):
     """moezoo's kernels index raw memory: inputs that do not fit the weights raise instead of reading past them."""
-    from moezoo.modeling.moe import SwiGLUExperts
-
     spec = MoeLayerSpec(hidden_size=64, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64)
     experts = SwiGLUExperts(experts_config(implementation), spec)
     index, weights = torch.randint(0, 4, (5, 2)), torch.rand(5, 2)

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from . import __version__
-from .bench.timing import add_threads_argument, apply_threads
+from .bench.timing import add_device_arguments, add_threads_argument, apply_threads
 from .terminal import error_console
 
 
@@ -359,13 +359,7 @@ def _add_bench(commands) -> None:
     moe_layer.add_argument("--top-k", type=int, default=8)
     moe_layer.add_argument("--hidden", type=int, default=512)
     moe_layer.add_argument("--expert-width", type=int, default=256)
-    moe_layer.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    moe_layer.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu",
-        help="cuda: the same cases on a GPU, with moezoo's Triton kernels (moezoo_triton) in place of its CPU path",
-    )
-    moe_layer.add_argument("--impl", nargs="+", default=None,
-                           help="implementations to time (default: all that run on the device)")
+    add_device_arguments(moe_layer)
     moe_layer.add_argument("--mode", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     moe_layer.add_argument("--seconds-per-case", type=float, default=6.0, help="time budget per (tokens, mode)")
     add_threads_argument(moe_layer)
@@ -391,11 +385,7 @@ def _add_bench(commands) -> None:
     moe_vie.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     moe_vie.add_argument("--image-size", type=int, default=None, help="square resolution (default: the size's)")
     moe_vie.add_argument("--layers", type=int, default=None, help="depth (default: the size's); MoE in all but block 0")
-    moe_vie.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                         help="cuda: on a GPU, with moezoo's Triton kernels (moezoo_triton) in place of its CPU path")
-    moe_vie.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    moe_vie.add_argument("--impl", nargs="+", default=None,
-                         help="experts implementations to time (default: all that run on the device)")
+    add_device_arguments(moe_vie)
     moe_vie.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per batch size")
     add_threads_argument(moe_vie)
     moe_vie.add_argument("--json", action="store_true", help="print the rows as a JSON list")

@@ -31,13 +31,12 @@ from ..kernels.native import native_library
 from ..kernels.sorted_experts import NATIVE_MAX_PAIRS_PER_EXPERT
 from ..modeling.moe import SORTED_EXPERTS_IMPLEMENTATION, TRITON_EXPERTS_IMPLEMENTATION, MoeLayerSpec, SwiGLUExperts
 from ..terminal import console, print_table
-from .timing import last_level_cache_bytes, time_round_robin
+from .timing import DEVICES, last_level_cache_bytes, time_round_robin
 
 
 TRANSFORMERS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 DEFAULT_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", SORTED_EXPERTS_IMPLEMENTATION)
 GPU_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", TRITON_EXPERTS_IMPLEMENTATION)
-DEVICES = ("cpu", "cuda")
 MODES = ("fwd", "fwd_bwd")
 # batched_mm materialises one weight matrix per (token, slot) pair; rows that would need more are skipped.
 BATCHED_MM_MEMORY_LIMIT_BYTES = 3 * 2**30

@@ -1,6 +1,6 @@
 """Round-robin timing, shared by the benchmarks: one call of each contender per round and the median over rounds,
-so that the drift of a shared, noisy machine hits all of them alike; the size of the CPU's last-level cache; and the
-`--threads` option they all take."""
+so that the drift of a shared, noisy machine hits all of them alike; the size of the CPU's last-level cache; the
+`--threads` option they all take, and the device, dtype and experts implementation options of the MoE benchmarks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,19 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default: torch's, one per core; on a machine shared with other jobs, fewer threads "
         "than cores avoid threads waiting for each other at every operation)",
     )
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu",
+        help="cuda: on a GPU, with moezoo's Triton kernels (moezoo_triton) in place of its CPU implementation",
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--impl", nargs="+", default=None,
+                        help="experts implementations to time (default: all that run on the device)")
 
 
 def apply_threads(args: argparse.Namespace) -> None:

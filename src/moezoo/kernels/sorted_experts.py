@@ -519,39 +519,43 @@ class _NativeSwiGLUExperts(torch.autograd.Function):
         return grad_x, None, grad_weights, grad_up, grad_down, None
 
 
-def _unsupported(module, hidden_states: torch.Tensor) -> bool:
-    return (
-        hidden_states.device.type != "cpu"
-        or is_torchdynamo_compiling()
-        or module._is_expert_parallel
-        or module.has_post_expert_norm
-    )
+def handed_to_grouped_mm(module) -> bool:
+    """What neither moezoo implementation covers, on any device: torch.compile tracing, expert parallelism, post-expert
+    norms."""
+    return is_torchdynamo_compiling() or module._is_expert_parallel or module.has_post_expert_norm
+
+
+def expert_parameters(module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """`(up_weight, up_bias, down_weight, down_bias)` of an experts module; up is gate_up with a gate; biases or None."""
+    up_weight = module.gate_up_proj if module.has_gate else module.up_proj
+    if not module.has_bias:
+        return up_weight, None, module.down_proj, None
+    up_bias = module.gate_up_proj_bias if module.has_gate else module.up_proj_bias
+    return up_weight, up_bias, module.down_proj, module.down_proj_bias
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will need gradients of any of `tensors` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
-    if _unsupported(module, hidden_states):
+    if hidden_states.device.type != "cpu" or handed_to_grouped_mm(module):
         return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    if module.has_gate:
-        up_weight = module.gate_up_proj
-        up_bias = module.gate_up_proj_bias if module.has_bias else None
-    else:
-        up_weight = module.up_proj
-        up_bias = module.up_proj_bias if module.has_bias else None
-    down_bias = module.down_proj_bias if module.has_bias else None
-    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
-    inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
+    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
+    inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
     num_pairs = top_k_index.numel()
-    sorted_pairs, experts_hit = _sort_pairs(top_k_index, module.down_proj.shape[0])
-    if _runs_natively(module, hidden_states, up_weight, up_bias, module.down_proj, num_pairs, experts_hit):
-        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj, sorted_pairs)
-        if needs_grad:
+    sorted_pairs, experts_hit = _sort_pairs(top_k_index, down_weight.shape[0])
+    if _runs_natively(module, hidden_states, up_weight, up_bias, down_weight, num_pairs, experts_hit):
+        native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs)
+        if needs_grad(*inputs):
             return _NativeSwiGLUExperts.apply(*native_inputs)
         projected = _WORKSPACE.address("projected", num_pairs * up_weight.shape[-2], hidden_states)
         return _native_forward(*native_inputs, projected)[0]
     segments = _Segments(sorted_pairs, num_pairs)
-    if needs_grad:
+    if needs_grad(*inputs):
         return _SortedExperts.apply(*inputs, module, segments)
     up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
     projected = _WORKSPACE.get("projected", (num_pairs, up_features), hidden_states)

@@ -30,9 +30,16 @@ from transformers.activations import (
 )
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from transformers.utils import logging
-from transformers.utils.import_utils import is_torchdynamo_compiling, is_triton_available
+from transformers.utils.import_utils import is_triton_available
 
-from .sorted_experts import check_expert_index, check_experts_inputs, sorted_experts_forward
+from .sorted_experts import (
+    check_expert_index,
+    check_experts_inputs,
+    expert_parameters,
+    handed_to_grouped_mm,
+    needs_grad,
+    sorted_experts_forward,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -59,26 +66,16 @@ def kernel_activation(act_fn: nn.Module) -> str | None:
     return KERNEL_ACTIVATIONS.get(type(act_fn))
 
 
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton can run kernels on tensors of `device`: a CUDA (or ROCm) GPU, or the CPU under the interpreter."""
-    if not is_triton_available():
-        return False
-    if device.type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda"
-
-
-def _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_weight, needs_grad) -> str | None:
-    if needs_grad:
+def _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_weight, grad_needed) -> str | None:
+    device = hidden_states.device.type
+    if grad_needed:
         return "calls that need gradients (its kernels are for inference)"
     if not is_triton_available():
         return "any call without triton installed"
-    if not triton_runs_on(hidden_states.device):
-        return f"{hidden_states.device.type} tensors (on the CPU, only under TRITON_INTERPRET=1)"
-    if is_torchdynamo_compiling():
-        return "torch.compile tracing"
-    if module._is_expert_parallel or module.has_post_expert_norm:
-        return "expert parallelism or post-expert norms"
+    if device != "cuda" and not (device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"{device} tensors (on the CPU, only under TRITON_INTERPRET=1)"
+    if handed_to_grouped_mm(module):
+        return "torch.compile tracing, expert parallelism or post-expert norms"
     if module.has_gate and (type(module)._apply_gate is not _default_apply_gate or not module.is_concatenated):
         return "custom gates or interleaved gate/up weights"
     if kernel_activation(module.act_fn) is None:
@@ -92,23 +89,20 @@ def _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_we
 
 def triton_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
-    up_weight = module.gate_up_proj if module.has_gate else module.up_proj
-    up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
-    down_bias = module.down_proj_bias if module.has_bias else None
-    inputs = (hidden_states, top_k_weights, up_weight, up_bias, module.down_proj, down_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    reason = _unsupported_reason(module, hidden_states, top_k_weights, up_weight, module.down_proj, needs_grad)
+    up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
+    grad_needed = needs_grad(hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias)
+    reason = _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_weight, grad_needed)
     if reason is not None:
         logger.warning_once(f"moezoo_triton does not cover {reason}: such calls go to the `moezoo` implementation")
         return sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, module.down_proj)
+    check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
     if hidden_states.device.type == "cpu":  # reading the indices costs a device sync elsewhere
-        check_expert_index(top_k_index, module.down_proj.shape[0])
+        check_expert_index(top_k_index, down_weight.shape[0])
 
     from .triton_kernels import experts_forward
 
     return experts_forward(
-        hidden_states, top_k_index, top_k_weights, up_weight, up_bias, module.down_proj, down_bias,
+        hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias,
         has_gate=module.has_gate, transposed=module.is_transposed, activation=kernel_activation(module.act_fn),
     )
 
