@@ -116,3 +116,28 @@ def test_bench_moe_layer_on_a_gpu():
         assert (row["ms"] is not None) == (row["mode"] == "fwd")
         if row["ms"] is not None:
             assert row["max_rel_diff_vs_eager"] <= 1e-5 and row["speedup_vs_best_transformers"] > 0
+
+
+def test_targets_are_checked_on_the_case_they_are_set_for(capsys):
+    """moezoo's rows against its speed-up and accuracy targets, with eager's own error beside a missed bound."""
+    from moezoo.bench.moe_layer import TARGET_CASE, BenchRow, check_targets, print_target_checks
+
+    def row(impl, tokens, mode, speedup, diff, fp64_error):
+        return BenchRow(impl, tokens, mode, 1.0, 1.0, 1.0, diff, max_abs_err_vs_fp64=fp64_error,
+                        speedup_vs_best_transformers=speedup)
+
+    rows = [
+        row("eager", 64, "fwd", 0.6, 0.0, 3e-7), row("moezoo", 64, "fwd", 2.1, 4e-7, 3e-7),
+        row("eager", 64, "fwd_bwd", 0.2, 0.0, 1.4e-5), row("moezoo", 64, "fwd_bwd", 2.5, 3e-5, 1.3e-5),
+        row("eager", 512, "fwd", 1.0, 0.0, 3e-7), row("moezoo", 512, "fwd", 1.9, 4e-7, 3e-7),  # no target at 512
+    ]
+    checks = check_targets(rows, **TARGET_CASE)
+    assert [(c.tokens, c.mode, c.speedup_target) for c in checks] == [(64, "fwd", 2.0), (64, "fwd_bwd", 3.0)]
+    assert checks[0].verdict() == "met"
+    assert checks[1].verdict() == "speed missed; max |Δ| missed (eager itself is off fp64 by more than 1e-05)"
+    assert check_targets(rows, **{**TARGET_CASE, "hidden": 256}) == []
+    assert check_targets(rows, **{**TARGET_CASE, "dtype": torch.bfloat16}) == []
+
+    print_target_checks(checks)
+    out = capsys.readouterr().out
+    assert "moezoo against its targets" in out and ">= 3x" in out and "speed missed" in out

@@ -395,25 +395,29 @@ def _add_bench(commands) -> None:
 def _run_bench_moe_layer(args) -> int:
     import torch
 
-    from .bench.moe_layer import default_implementations, print_moe_layer_table, rows_as_dicts, run_moe_layer_bench
+    from .bench.moe_layer import (
+        check_targets,
+        default_implementations,
+        print_moe_layer_table,
+        print_target_checks,
+        rows_as_dicts,
+        run_moe_layer_bench,
+    )
     from .terminal import progress_bar
 
     apply_threads(args)
+    case = {"num_experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "expert_width": args.expert_width,
+            "dtype": getattr(torch, args.dtype), "device": args.device}
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moe-layer", total=len(args.tokens) * len(args.mode))
 
         rows, peak = run_moe_layer_bench(
             tokens=args.tokens,
-            num_experts=args.experts,
-            top_k=args.top_k,
-            hidden=args.hidden,
-            expert_width=args.expert_width,
-            dtype=getattr(torch, args.dtype),
             implementations=args.impl or default_implementations(args.device),
             modes=args.mode,
             seconds_per_case=args.seconds_per_case,
             on_case_done=lambda case: progress.update(task, advance=1, description=case),
-            device=args.device,
+            **case,
         )
     if args.json:
         print(json.dumps(rows_as_dicts(rows), indent=2))
@@ -425,6 +429,7 @@ def _run_bench_moe_layer(args) -> int:
         f"{args.dtype}, {args.device}",
         device=args.device,
     )
+    print_target_checks(check_targets(rows, **case))
     return 0
 
 

@@ -67,6 +67,46 @@ class BenchRow:
     note: str = ""
 
 
+# The goals of `moezoo` (the CPU implementation), set for one case: the default shape in fp32 on the CPU. Speed is
+# its time against transformers' fastest implementation of each (tokens, mode); accuracy is max|Δ| against eager.
+TARGET_CASE = {"num_experts": 64, "top_k": 8, "hidden": 512, "expert_width": 256, "dtype": torch.float32,
+               "device": "cpu"}
+SPEEDUP_TARGETS = {
+    (64, "fwd"): 2.0, (2048, "fwd"): 1.2, (8192, "fwd"): 1.2,
+    (64, "fwd_bwd"): 3.0, (2048, "fwd_bwd"): 1.5, (8192, "fwd_bwd"): 1.5,
+}
+MAX_ABS_DIFF_TARGET = 1e-5
+
+
+@dataclass
+class TargetCheck:
+    tokens: int
+    mode: str
+    speedup: float
+    speedup_target: float
+    max_abs_diff_vs_eager: float
+    # eager's own max|Δ| against float64: below it, a difference from eager says nothing about which is closer to exact
+    eager_err_vs_fp64: float
+
+    @property
+    def speed_met(self) -> bool:
+        return self.speedup >= self.speedup_target
+
+    @property
+    def accuracy_met(self) -> bool:
+        return self.max_abs_diff_vs_eager <= MAX_ABS_DIFF_TARGET
+
+    def verdict(self) -> str:
+        missed = [] if self.speed_met else ["speed missed"]
+        if not self.accuracy_met:
+            missed.append(
+                f"max |Δ| missed (eager itself is off fp64 by more than {MAX_ABS_DIFF_TARGET:g})"
+                if self.eager_err_vs_fp64 > MAX_ABS_DIFF_TARGET
+                else "max |Δ| missed"
+            )
+        return "; ".join(missed) or "met"
+
+
 def check_implementations(implementations: Sequence[str]) -> None:
     """Raise a `ValueError` naming the registered experts implementations if one of `implementations` is not."""
     known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
@@ -314,6 +354,38 @@ def run_moe_layer_bench(
         if row.gflops is not None:
             row.pct_of_matmul_peak = 100 * row.gflops / peak
     return rows, peak
+
+
+def check_targets(rows: Sequence[BenchRow], **case) -> list[TargetCheck]:
+    """moezoo's rows that have a target, checked against it; none unless `case` (the shape, `dtype` and `device`
+    keyword arguments the rows were measured with) is `TARGET_CASE`."""
+    if case != TARGET_CASE:
+        return []
+    eager_rows = {(row.tokens, row.mode): row for row in rows if row.impl == "eager"}
+    return [
+        TargetCheck(row.tokens, row.mode, row.speedup_vs_best_transformers, SPEEDUP_TARGETS[row.tokens, row.mode],
+                    row.max_abs_diff_vs_eager, eager_rows[row.tokens, row.mode].max_abs_err_vs_fp64)
+        for row in rows
+        if row.impl == SORTED_EXPERTS_IMPLEMENTATION and (row.tokens, row.mode) in SPEEDUP_TARGETS
+        and row.speedup_vs_best_transformers is not None and (row.tokens, row.mode) in eager_rows
+    ]
+
+
+def print_target_checks(checks: Sequence[TargetCheck]) -> None:
+    if not checks:
+        return
+    print_table(
+        f"{SORTED_EXPERTS_IMPLEMENTATION} against its targets (this shape, float32, cpu)",
+        ["tokens", "mode", "× best transformers", "target", "max |Δ| vs eager", "target", "eager's |Δ| vs fp64",
+         "verdict"],
+        [
+            [c.tokens, c.mode, c.speedup, f">= {c.speedup_target:g}x", c.max_abs_diff_vs_eager,
+             f"<= {MAX_ABS_DIFF_TARGET:g}", c.eager_err_vs_fp64, c.verdict()]
+            for c in checks
+        ],
+    )
+    console.print("A single run on a shared machine varies by about ±15%: a ratio within that of its target is not a "
+                  "verdict on its own.")
 
 
 def rows_as_dicts(rows: Sequence[BenchRow]) -> list[dict]:

@@ -13,7 +13,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from ..bench.moe_layer import print_moe_layer_table, run_moe_layer_bench
+from ..bench.moe_layer import (
+    TARGET_CASE,
+    check_targets,
+    print_moe_layer_table,
+    print_target_checks,
+    run_moe_layer_bench,
+)
 from ..modeling.moe import (
     SORTED_EXPERTS_IMPLEMENTATION,
     MoeLayerSpec,
@@ -121,7 +127,10 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     console.print(f"wrote {heatmap} and {curve}")
 
     bench_tokens = [64, 512] if quick else [64, 2048]
-    console.print(f"benchmark: one MoE layer (64 experts, top-8, hidden 512, expert width 256), tokens {bench_tokens}")
-    rows, peak = run_moe_layer_bench(tokens=bench_tokens, seconds_per_case=2.0 if quick else 5.0, max_rounds=10)
+    case = TARGET_CASE
+    console.print(f"benchmark: one MoE layer ({case['num_experts']} experts, top-{case['top_k']}, hidden "
+                  f"{case['hidden']}, expert width {case['expert_width']}), tokens {bench_tokens}")
+    rows, peak = run_moe_layer_bench(tokens=bench_tokens, seconds_per_case=2.0 if quick else 5.0, max_rounds=10, **case)
     print_moe_layer_table(rows, peak, "experts implementations on identical weights")
+    print_target_checks(check_targets(rows, **case))
     return {"specialization": stats.specialization(), "held_out_mse": held_out_mse, "heatmap": heatmap}
