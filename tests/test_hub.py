@@ -191,6 +191,20 @@ def test_export_refuses_broken_folders_and_leaves_nothing_behind(toy_folders, tm
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+def test_export_of_a_truncated_checkpoint_says_so_and_leaves_nothing_behind(toy_folders, tmp_path):
+    """A partly downloaded safetensors file: a message naming the folder, not the reader's traceback."""
+    created, _ = toy_folders
+    folder = broken_copy(created, tmp_path)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    result = run_moezoo("export", folder, "--out", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    err = " ".join(result.stderr.split())
+    assert f"cannot load {folder}" in err and "incomplete" in err, err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
 def test_commands_refuse_to_overwrite_without_asking(toy_folders, tmp_path):
     created, _ = toy_folders
     (tmp_path / "taken").mkdir()

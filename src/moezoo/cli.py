@@ -7,12 +7,16 @@ import json
 import sys
 import textwrap
 
+from safetensors import SafetensorError
+
 from . import __version__
 from .bench.timing import add_device_arguments, add_threads_argument, apply_threads
 from .terminal import error_console
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, ConnectionError, ImportError)
+USER_ERRORS = (
+    ValueError, KeyError, FileNotFoundError, FileExistsError, ConnectionError, ImportError, SafetensorError
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        if isinstance(error, SafetensorError):  # raised by the reader, which does not name the file
+            message = f"a safetensors file is corrupt or incomplete ({message}): download or save it again"
         error_console.print(f"[bold red]error:[/] {message}")
         return 2
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers.utils import logging as transformers_logging
 
 from .. import __version__
@@ -50,7 +51,7 @@ def load_model_checked(architecture: Architecture, folder: Path):
     transformers_logging.set_verbosity_error()
     try:
         model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
-    except (RuntimeError, ValueError, OSError) as error:
+    except (RuntimeError, ValueError, OSError, SafetensorError) as error:
         raise ValueError(f"cannot load {folder} as {architecture.title}: {error}") from error
     finally:
         transformers_logging.set_verbosity(verbosity)
