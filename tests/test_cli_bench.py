@@ -50,6 +50,8 @@ def test_bad_arguments_fail_with_a_message_not_a_traceback(capsys):
     assert "num_experts_per_tok" in capsys.readouterr().err
     assert main(["bench", "moe-layer", "--tokens", "8", "--threads", "0", "--json"]) == 2
     assert "--threads must be positive" in capsys.readouterr().err
+    assert main(["bench", "moe-layer", "--tokens", "8", "0", "--json"]) == 2
+    assert "token counts must be positive, got 0" in capsys.readouterr().err
 
 
 def test_timed_calls_cycle_through_identical_layers_that_exceed_the_cache(monkeypatch):

@@ -205,6 +205,25 @@ def test_export_of_a_truncated_checkpoint_says_so_and_leaves_nothing_behind(toy_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path):
+    from moezoo.hub.folders import atomic_output_dir
+
+    target = tmp_path / "target"
+    target.write_text("keep me")
+    with pytest.raises(FileExistsError, match="target is a file, not a folder"):
+        with atomic_output_dir(target, overwrite=True):
+            pass
+    assert target.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["target"]
+
+
+def test_a_corrupt_config_is_named(tmp_path):
+    from moezoo.hub.export import read_model_type
+
+    (tmp_path / "config.json").write_text("{\n  oops")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON .*save the model again"):
+        read_model_type(tmp_path)
+
+
 def test_commands_refuse_to_overwrite_without_asking(toy_folders, tmp_path):
     created, _ = toy_folders
     (tmp_path / "taken").mkdir()

@@ -272,6 +272,10 @@ def test_given_routes_per_example_and_per_token():
         block(x, routes=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="needs `routes`"):
         block(x)
+    with pytest.raises(ValueError, match="layer 2: routes must be integer expert ids, got dtype torch.float32"):
+        block(x, routes=torch.tensor([0.7, 1.9]))
+    out_int32, _ = block(x, routes=torch.tensor([2, 0], dtype=torch.int32))
+    assert torch.equal(out_int32, out)
 
 
 # --- balancing ----------------------------------------------------------------------------------------------------
@@ -341,6 +345,34 @@ def test_update_routing_biases_skips_frozen_routers():
     assert model[0].e_score_correction_bias.abs().sum() > 0
     assert model[1].e_score_correction_bias.abs().sum() == 0
     assert all(router.tokens_per_expert.sum() == 0 for router in model)
+
+
+def test_update_routing_biases_on_layers_with_different_expert_counts():
+    wide = skewed_router()
+    narrow_spec = MoeLayerSpec(hidden_size=16, num_experts=4, num_experts_per_tok=1, expert_intermediate_size=4,
+                               router_type="sigmoid", routing_bias=True, bias_update_rate=1e-2)
+    narrow = TopKRouter(narrow_spec).train()
+    narrow.weight.data.normal_(std=0.1)
+    model = nn.ModuleList([wide, narrow])
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    for router in model:
+        router(x)
+    expected = [copy.deepcopy(router) for router in model]
+    for router in expected:
+        router.update_bias()
+    assert update_routing_biases(model) == 2
+    for router, reference in zip(model, expected):
+        assert torch.equal(router.e_score_correction_bias, reference.e_score_correction_bias)
+
+
+def test_sigmoid_scores_that_all_underflow_give_zero_weights_not_nan():
+    spec = MoeLayerSpec(hidden_size=2, num_experts=2, num_experts_per_tok=1, expert_intermediate_size=4,
+                        router_type="sigmoid", norm_topk_prob=True)
+    router = TopKRouter(spec)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[-112.0, 0.0], [-120.0, 0.0]]))  # sigmoid(-112) is 0 in fp32
+    logits, weights, index = router(torch.tensor([[1.0, 0.0]]))
+    assert torch.isfinite(logits).all() and torch.equal(weights, torch.zeros(1, 1))
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------

@@ -191,3 +191,30 @@ def test_balancing_counts_are_summed_across_processes(tmp_path):
     expected = -0.1 * (counts - counts.mean()) / counts.std(unbiased=False)
     assert torch.equal(bias0, bias1)
     assert torch.allclose(bias0.double(), expected, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_each_process_keeps_its_own_counts_under_distributed_data_parallel(tmp_path):
+    """DDP broadcasts rank 0's buffers before every forward: the counts of a micro-batch must survive the next one."""
+    script = tmp_path / "ddp_counts.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from moezoo.modeling.moe import MoeLayerSpec, TopKRouter
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        spec = MoeLayerSpec(hidden_size=4, num_experts=4, num_experts_per_tok=1, expert_intermediate_size=2,
+                            router_type="sigmoid", routing_bias=True)
+        router = TopKRouter(spec).train()
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(4) * 10)
+        model = DistributedDataParallel(router)  # broadcast_buffers=True, the default
+        # two micro-batches without no_sync: rank 0 sends 2 tokens to experts 0 then 2, rank 1 3 tokens to 1 then 3
+        for expert in (0, 2) if rank == 0 else (1, 3):
+            model(torch.eye(4)[[expert] * (rank + 2)])[1].sum().backward()
+        torch.save(router.tokens_per_expert, sys.argv[1] + f"/counts{rank}.pt")
+        dist.destroy_process_group()
+    """))
+    run_two_processes(script, tmp_path)
+    assert torch.load(tmp_path / "counts0.pt").tolist() == [2, 0, 2, 0]
+    assert torch.load(tmp_path / "counts1.pt").tolist() == [0, 3, 0, 3]

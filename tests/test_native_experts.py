@@ -303,3 +303,35 @@ def test_pytorch_sort_without_the_native_library_equals_the_c_sort(monkeypatch):
     monkeypatch.setattr(sorted_experts, "native_library", lambda: None)
     sorted_in_pytorch, hit_in_pytorch = sorted_experts._sort_pairs(index, EXPERTS)
     assert torch.equal(sorted_in_c, sorted_in_pytorch) and hit_in_c == hit_in_pytorch == 9
+
+
+def penalised_gradients(experts, hidden_states, index, weights):
+    """Parameter gradients of `loss + ||dloss/dx||^2` (a gradient penalty: a second-order backward pass)."""
+    x = hidden_states.clone().requires_grad_()
+    loss = experts(x, index, weights).square().sum()
+    (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + grad_x.square().sum()).backward()
+    return {name: p.grad for name, p in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("routing", [skewed_routing, many_tokens_routing])  # native kernels, then BLAS GEMMs
+def test_gradients_of_gradients_equal_eager(routing):
+    """A backward pass that autograd records (create_graph=True) gives eager's second-order gradients: the
+    hand-written backward passes would drop them silently, so such calls are differentiated through grouped_mm."""
+    expected = penalised_gradients(make_experts("eager"), *routing())
+    actual = penalised_gradients(make_experts("moezoo"), *routing())
+    for name in ("gate_up_proj", "down_proj"):
+        assert_close(actual[name], expected[name], tolerance=1e-4)
+
+
+def test_features_made_under_inference_mode_train_the_experts():
+    """Features cached under torch.inference_mode() (a frozen encoder's) cannot be saved for backward as they are."""
+    hidden_states, index, weights = skewed_routing()
+    with torch.inference_mode():
+        cached = hidden_states.clone()
+    for routing_weights in (weights, weights.clone().requires_grad_()):
+        expected, actual = make_experts("eager"), make_experts("moezoo")
+        expected(cached, index, routing_weights).square().sum().backward()
+        actual(cached, index, routing_weights).square().sum().backward()
+        for name in ("gate_up_proj", "down_proj"):
+            assert_close(getattr(actual, name).grad, getattr(expected, name).grad)

@@ -289,6 +289,8 @@ def run_moe_layer_bench(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if min(tokens) < 1:
+        raise ValueError(f"token counts must be positive, got {min(tokens)}")
     check_device(device)
     check_implementations(implementations)
     config, layers, exact = _make_layers(num_experts, top_k, hidden, expert_width, dtype, seed, device)

@@ -35,7 +35,10 @@ def read_model_type(folder: Path) -> str:
             f"{folder} has no config.json; export takes a model folder written by `moezoo create`, `moezoo convert`, "
             "`moezoo train` or save_pretrained"
         )
-    model_type = json.loads(config_path.read_text()).get("model_type")
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error}); save the model again") from error
     if not model_type:
         raise ValueError(f"{config_path} has no model_type; cannot tell which architecture it is")
     return model_type

@@ -20,6 +20,8 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False):
     A command interrupted half-way therefore never leaves a folder that looks complete.
     """
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder; choose another --out or remove it")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)

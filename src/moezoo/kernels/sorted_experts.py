@@ -368,6 +368,20 @@ def _experts_forward(hidden_states, top_k_index, top_k_weights, up_weight, up_bi
     return _sum_pairs(expert_out, token_of_pair, num_tokens), pair_weights
 
 
+def _gradients_with_graph(module, grad_output, inputs, needs_input_grad):
+    """The backward pass when autograd records it (`backward(create_graph=True)`: gradients of gradients, e.g. a
+    gradient penalty), which the hand-written backward passes cannot give: the forward recomputed with transformers'
+    `grouped_mm`, whose backward is made of differentiable operations, then differentiated. `inputs` are the
+    `autograd.Function`'s tensor inputs, starting with (hidden_states, top_k_index, top_k_weights); the others are
+    the module's own parameters."""
+    hidden_states, top_k_index, top_k_weights = inputs[:3]
+    wanted = [tensor for tensor, needed in zip(inputs, needs_input_grad) if needed]
+    with torch.enable_grad():
+        output = grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    gradients = iter(torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True))
+    return tuple(next(gradients) if needed else None for needed in needs_input_grad)
+
+
 class _SortedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
@@ -379,7 +393,8 @@ class _SortedExperts(torch.autograd.Function):
             projected,
         )
         ctx.save_for_backward(
-            hidden_states, segments.order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias
+            hidden_states, top_k_index, top_k_weights, segments.order, projected, pair_weights, up_weight, up_bias,
+            down_weight, down_bias,
         )
         ctx.segments = segments
         ctx.module = module
@@ -388,8 +403,12 @@ class _SortedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden_states, order, projected, pair_weights, up_weight, up_bias, down_weight, down_bias = ctx.saved_tensors
+        (hidden_states, top_k_index, top_k_weights, order, projected, pair_weights, up_weight, up_bias, down_weight,
+         down_bias) = ctx.saved_tensors
         segments, module, top_k = ctx.segments, ctx.module, ctx.top_k
+        if torch.is_grad_enabled():
+            inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
+            return (*_gradients_with_graph(module, grad_output, inputs, ctx.needs_input_grad[:7]), None, None)
         transposed = module.is_transposed
         need_x, _, need_weights, need_up_w, need_up_b, need_down_w, need_down_b, _, _ = ctx.needs_input_grad
         num_pairs, hidden_dim = order.numel(), hidden_states.shape[-1]
@@ -487,19 +506,25 @@ def _native_forward(hidden_states, top_k_index, top_k_weights, up_weight, down_w
 
 class _NativeSwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs, module):
         projected = hidden_states.new_empty(top_k_index.numel(), up_weight.shape[-2])  # kept for the backward pass
         output, routing_weights = _native_forward(
             hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs, projected.data_ptr()
         )
-        ctx.save_for_backward(hidden_states, sorted_pairs, routing_weights, projected, up_weight, down_weight)
-        ctx.top_k_weights_dtype = top_k_weights.dtype
+        ctx.save_for_backward(
+            hidden_states, top_k_index, top_k_weights, sorted_pairs, routing_weights, projected, up_weight, down_weight
+        )
+        ctx.module = module
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden_states, sorted_pairs, routing_weights, projected, up_weight, down_weight = ctx.saved_tensors
-        need_x, _, need_weights, need_up, need_down, _ = ctx.needs_input_grad
+        (hidden_states, top_k_index, top_k_weights, sorted_pairs, routing_weights, projected, up_weight,
+         down_weight) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            inputs = (hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
+            return (*_gradients_with_graph(ctx.module, grad_output, inputs, ctx.needs_input_grad[:5]), None, None)
+        need_x, _, need_weights, need_up, need_down, _, _ = ctx.needs_input_grad
         inputs, grad_output = hidden_states.contiguous(), grad_output.contiguous()
         (num_tokens, hidden), (num_experts, _, width) = inputs.shape, down_weight.shape
         num_pairs = routing_weights.numel()
@@ -515,8 +540,8 @@ class _NativeSwiGLUExperts(torch.autograd.Function):
             _pointer(grad_weights), _pointer(grad_up), _pointer(grad_down), torch.get_num_threads(),
         )
         if grad_weights is not None:
-            grad_weights = grad_weights.to(ctx.top_k_weights_dtype)
-        return grad_x, None, grad_weights, grad_up, grad_down, None
+            grad_weights = grad_weights.to(top_k_weights.dtype)
+        return grad_x, None, grad_weights, grad_up, grad_down, None, None
 
 
 def handed_to_grouped_mm(module) -> bool:
@@ -545,13 +570,18 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
     check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
+    if needs_grad(up_weight, up_bias, down_weight, down_bias, top_k_weights):
+        # Tensors made under torch.inference_mode() (cached features) cannot be saved for the backward pass.
+        hidden_states, top_k_index, top_k_weights = (
+            tensor.clone() if tensor.is_inference() else tensor for tensor in (hidden_states, top_k_index, top_k_weights)
+        )
     inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
     num_pairs = top_k_index.numel()
     sorted_pairs, experts_hit = _sort_pairs(top_k_index, down_weight.shape[0])
     if _runs_natively(module, hidden_states, up_weight, up_bias, down_weight, num_pairs, experts_hit):
         native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs)
         if needs_grad(*inputs):
-            return _NativeSwiGLUExperts.apply(*native_inputs)
+            return _NativeSwiGLUExperts.apply(*native_inputs, module)
         projected = _WORKSPACE.address("projected", num_pairs * up_weight.shape[-2], hidden_states)
         return _native_forward(*native_inputs, projected)[0]
     segments = _Segments(sorted_pairs, num_pairs)

@@ -28,13 +28,14 @@ def update_routing_biases(model: nn.Module, sync_processes: bool = True) -> int:
     routers = balanced_routers(model)
     if not routers:
         return 0
-    counts = torch.stack([router.tokens_per_expert for router in routers])
+    # One flat tensor, so that one all_reduce sums every router's counts (layers may have different expert counts).
+    counts = torch.cat([router.tokens_per_expert for router in routers])
     if sync_processes and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     updated = 0
-    for router, router_counts in zip(routers, counts):
+    for router, router_counts in zip(routers, counts.split([router.num_experts for router in routers])):
         if not router.weight.requires_grad:
-            router.tokens_per_expert.zero_()
+            router.reset_counts()
             continue
         updated += router.update_bias(router_counts) is not None
     return updated

@@ -110,6 +110,9 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(
                 f"MoE {self.layer_name}: router_type='given' needs `routes` (one expert id per example or per token)"
             )
+        if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+            raise ValueError(f"MoE {self.layer_name}: routes must be integer expert ids, got dtype {routes.dtype}")
+        routes = routes.long()  # what every experts implementation indexes with
         if len(input_shape) == 3 and routes.shape == input_shape[:1]:
             routes = routes[:, None].expand(input_shape[:2])
         if routes.shape != input_shape[:-1]:

@@ -22,8 +22,6 @@ def init_moe_module(module: nn.Module, std: float) -> bool:
             init.zeros_(module.bias)
         if module.e_score_correction_bias is not None:
             init.zeros_(module.e_score_correction_bias)
-            # Non-persistent: never loaded, so after meta-device loading it holds garbage unless zeroed here.
-            init.zeros_(module.tokens_per_expert)
         return True
     if isinstance(module, SwiGLUExperts):
         init.normal_(module.gate_up_proj, mean=0.0, std=std)

@@ -35,11 +35,24 @@ class TopKRouter(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.num_experts)) if spec.router_logit_bias else None
         if spec.routing_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-            # (token, slot) assignments per expert since the last bias update; summed over micro-batches.
-            self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
         else:
             self.e_score_correction_bias = None
-            self.tokens_per_expert = None
+        # (token, slot) assignments per expert since the last bias update, summed over micro-batches: each process's
+        # own, so a plain attribute and not a buffer, which DistributedDataParallel would overwrite with rank 0's
+        # before every forward. None until the first counted forward.
+        self._counts: torch.Tensor | None = None
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """The assignments per expert (E,) counted since the last bias update; None for routers without the bias."""
+        if self.e_score_correction_bias is None:
+            return None
+        if self._counts is None:
+            self._counts = torch.zeros(self.num_experts, dtype=torch.int64, device=self.weight.device)
+        return self._counts
+
+    def reset_counts(self) -> None:
+        self._counts = None
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) -> router_logits (T, E) fp32, top_k_weights (T, k) in the input dtype, top_k_index (T, k)."""
@@ -56,13 +69,17 @@ class TopKRouter(nn.Module):
         top_k_index = torch.topk(selection_scores, self.top_k, dim=-1).indices
         top_k_weights = scores.gather(1, top_k_index)
         if self.norm_topk_prob:
-            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+            # The epsilon (DeepSeek-V3's) keeps sigmoid scores that all underflow to 0 from giving 0/0; it is below
+            # fp32 resolution for any sum that does not.
+            top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + 1e-20)
         if self.routed_scaling_factor != 1.0:
             top_k_weights = top_k_weights * self.routed_scaling_factor
-        if self.tokens_per_expert is not None and self.training and not is_recomputing():
+        if self.e_score_correction_bias is not None and self.training and not is_recomputing():
             with torch.no_grad():
                 flat = top_k_index.reshape(-1)
-                self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
+                counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+                counts.index_add_(0, flat, torch.ones_like(flat))
+                self._counts = counts if self._counts is None else self._counts.to(flat.device) + counts
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
 
     @torch.no_grad()
@@ -76,7 +93,7 @@ class TopKRouter(nn.Module):
         if self.e_score_correction_bias is None:
             return None
         counts = (self.tokens_per_expert if tokens_per_expert is None else tokens_per_expert).double()
-        self.tokens_per_expert.zero_()
+        self.reset_counts()
         if counts.sum() == 0:
             return None
         deviation = counts - counts.mean()
