@@ -22,6 +22,7 @@ from transformers import (
 from moezoo.configuration.moemb import TINY_MOEMB
 from moezoo.conversion.moemb_qwen3_5 import add_arguments, convert, convert_qwen3_5_checkpoint, synthetic_batch
 from moezoo.modeling.moemb import MoEmbForEmbedding
+from moezoo.processors.build_moemb import build_tiny_qwen_tokenizer
 
 
 EMB = TINY_MOEMB["emb_token_id"]
@@ -145,12 +146,15 @@ def test_native_keys_and_the_emb_row(moe_source, fused_source, tmp_path):
     assert (config["model_type"], config["moe_variant"], config["emb_token_id"]) == ("moemb", "native", EMB)
 
 
-def test_tokenizer_gets_emb_and_processor_files_are_copied(moe_source, tmp_path):
-    folder, _ = moe_source
-    source = tmp_path / "source"
-    source.mkdir()
+def copy_weights(folder, destination):
+    destination.mkdir()
     for name in ("config.json", "model.safetensors"):
-        (source / name).write_bytes((folder / name).read_bytes())
+        (destination / name).write_bytes((folder / name).read_bytes())
+    return destination
+
+
+def test_tokenizer_gets_emb_and_processor_files_are_copied(moe_source, tmp_path):
+    source = copy_weights(moe_source[0], tmp_path / "source")
     vocabulary = {f"w{i}": i for i in range(100)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocabulary, unk_token="w0")))
     tokenizer.save_pretrained(source)
@@ -191,6 +195,21 @@ def test_convert_command_measures_the_source(moe_source):
     assert set(result.provenance["max_abs_diff_by_output"]) == {"last_hidden_state", "router_logits"}
     assert result.processor is None  # no tokenizer in the tiny source
     assert isinstance(result.model, MoEmbForEmbedding) and result.model.config.emb_token_id == EMB
+
+
+def test_convert_command_measures_a_source_whose_vocabulary_grew(moe_source, tmp_path):
+    """A tokenizer that fills the source's 128 embedding rows puts <emb> beyond them: the conversion grows the matrix
+    (spec §5.3), and the verification feeds the source only ids it has."""
+    source = copy_weights(moe_source[0], tmp_path / "source")
+    placeholders = {"<|image_pad|>": 120, "<|video_pad|>": 121, "<|vision_start|>": 122, "<|vision_end|>": 123}
+    tokenizer = build_tiny_qwen_tokenizer(128, placeholders | {"<|endoftext|>": 0, "<|im_start|>": None,
+                                                               "<|im_end|>": None})  # fmt: skip
+    assert len(tokenizer) == 128
+    tokenizer.save_pretrained(source)
+    result = convert(source)
+    assert result.provenance["vocab_size"] == {"source": 128, "converted": 192}
+    assert result.provenance["emb_token_id"] >= 128
+    assert result.provenance["max_abs_diff"] == 0.0
 
 
 # --- bad sources ----------------------------------------------------------------------------------------------------
@@ -234,7 +253,7 @@ def test_sources_of_other_types_and_wrong_variants_are_refused(moe_source, dense
         convert_qwen3_5_checkpoint(moe_source[0], tmp_path / "out")
     with pytest.raises(ValueError, match="num_experts, top_k only apply to variant 'upcycled'"):
         convert_qwen3_5_checkpoint(moe_source[0], tmp_path / "out", emb_token_id=EMB, num_experts=8, top_k=2)
-    with pytest.raises(ValueError, match="needs top_k = granularity"):
+    with pytest.raises(ValueError, match="num_experts_per_tok=2 must equal upcycle_granularity=4"):
         convert_qwen3_5_checkpoint(dense_source[0], tmp_path / "out", "upcycled", emb_token_id=EMB, num_experts=8,
                                    granularity=4, top_k=2)
     assert not (tmp_path / "out").exists()

@@ -253,6 +253,23 @@ def test_eval_command(tiny_moemb, tmp_path, capsys):
 # --- the benchmark ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("size", ["cpu", "tiny", "a3b"])
+def test_bench_default_options_fit_every_size(size):
+    """`moezoo bench moemb --size SIZE` without other options: the image+text batch it builds (the longest) fits the
+    model's context, which the size's default image size sees to; checked without building the model."""
+    from moezoo.bench.moemb import IMAGE_SIZES, SIZES, add_bench_arguments, bench_configs, bench_inputs
+
+    assert set(SIZES) == {"cpu", "tiny", "a3b"}
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--size", size])
+    assert args.image_size is None  # run_bench then takes IMAGE_SIZES[size]
+    config, qwen_config = bench_configs(size)
+    assert qwen_config.image_token_id == config.image_token_id
+    inputs = bench_inputs(config, "image+text", args.batch_size, args.text_tokens, IMAGE_SIZES[size])
+    assert inputs["input_ids"].shape[1] <= config.text_config.max_position_embeddings
+
+
 def test_bench_rows_compare_moemb_with_transformers_on_the_same_weights(capsys):
     from moezoo.bench.moemb import add_bench_arguments, run_bench
 

@@ -97,12 +97,20 @@ def tiny_qwen3_5_moe():
         ({"pooling": "cls"}, "pooling"),
         ({"emb_token_id": 128}, "emb_token_id"),
         ({"emb_token_id": IMAGE}, "emb_token_id"),
+        ({"video_token_id": IMAGE}, "video_token_id"),
+        ({"vision_start_token_id": END}, "vision_start_token_id"),
+        ({"vision_config": dict(TINY_MOEMB["vision_config"], num_heads=3)}, "num_heads"),
+        ({"vision_config": dict(TINY_MOEMB["vision_config"], patch_size=0)}, "patch_size"),
+        ({"text_config": dict(TINY_MOEMB["text_config"], rope_parameters=dict(
+            TINY_MOEMB["text_config"]["rope_parameters"], mrope_section=[2, 2, 2]))}, "mrope_section"),
         ({"logit_scale": 0.0}, "logit_scale"),
         ({"source_model_type": "llama"}, "source_model_type"),
         ({"vision_config": dict(TINY_MOEMB["vision_config"], out_hidden_size=32)}, "out_hidden_size"),
         ({"upcycle_granularity": 2}, "upcycle_granularity"),
         ({"moe_variant": "upcycled", "upcycle_granularity": 0}, "upcycle_granularity"),
         ({"moe_variant": "upcycled", "upcycle_granularity": 1, "upcycle_router_init": "ones"}, "upcycle_router_init"),
+        ({"moe_variant": "upcycled", "upcycle_granularity": 16}, "upcycle_granularity=16 exceeds"),  # 8 experts
+        ({"moe_variant": "upcycled", "upcycle_granularity": 2}, "num_experts_per_tok=4 must equal"),  # top-4
         ({"modality_expert_map": {0: 0, 1: 1, 2: 2}}, "modality_expert_map"),
         ({"moe_variant": "modality", "text_config": dict(TINY_MOEMB["text_config"], num_experts=3,
                                                          num_experts_per_tok=1),
@@ -271,6 +279,17 @@ def test_packed_inputs_are_checked(model, items):
         model(**(packed | {"cu_seqlens": packed["cu_seqlens"][:-1]}))
     with pytest.raises(ValueError, match="no attention_mask"):
         model(**packed, attention_mask=torch.ones_like(packed["input_ids"]))
+
+
+def test_placeholders_without_their_visual_inputs_are_named(model, items):
+    """A collator that drops the visual keys: the error counts the placeholders and names what is missing."""
+    batch = padded_batch(items)
+    for kind, pixels, grid, count in (("image", "pixel_values", "image_grid_thw", 4),
+                                      ("video", "pixel_values_videos", "video_grid_thw", 8)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"hold {count} {kind} placeholder tokens .*but {pixels} and {grid} are"):
+            model(**{key: value for key, value in batch.items() if key not in (pixels, grid)})
+        with pytest.raises(ValueError, match=f"hold {count} {kind} placeholder tokens .*but {grid} is missing"):
+            model(**{key: value for key, value in batch.items() if key != grid})
 
 
 # --- routing and other outputs --------------------------------------------------------------------------------------

@@ -131,6 +131,38 @@ def test_hard_negatives_reach_the_loss(tiny_moemb):
                                                         embeddings["negative"]))  # fmt: skip
 
 
+def test_evaluation_reports_the_training_loss_on_validation_batches(tiny_moemb):
+    """`eval_strategy="steps"` logs `eval_loss` during training, and `evaluate()` gives the InfoNCE loss that
+    `compute_loss` gives on the same batch with the model in eval mode (LoRA dropout off)."""
+    model = apply_lora(MoEmbForEmbedding.from_pretrained(tiny_moemb), LoraOptions(rank=2, alpha=4, dropout=0.5))
+    collator = MoEmbCollator(MoEmbProcessor.from_pretrained(tiny_moemb))
+    examples = shapes_examples(4)
+    args = TrainingArguments(output_dir=str(tiny_moemb.parent / "evaluate"), max_steps=2, eval_strategy="steps",
+                             eval_steps=1, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                             report_to="none", save_strategy="no", use_cpu=True, remove_unused_columns=False,
+                             disable_tqdm=True)  # fmt: skip
+    trainer = MoEmbTrainer(model=model, args=args, train_dataset=examples, eval_dataset=examples,
+                           data_collator=collator, logit_scale=50.0)  # fmt: skip
+    trainer.train()
+    assert len([log for log in trainer.state.log_history if "eval_loss" in log]) == 2
+    eval_loss = trainer.evaluate()["eval_loss"]
+    with torch.no_grad():
+        expected = trainer.compute_loss(model.eval(), collator([examples[i] for i in range(4)]))
+    assert eval_loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_row_without_its_hard_negative_is_named():
+    rows = Dataset.from_dict({
+        "qry": ["a red circle", "a blue square"], "qry_image_path": ["", ""], "pos_text": ["red", "blue"],
+        "pos_image_path": ["", ""], "neg_text": ["a red square", ""], "neg_image_path": ["", ""],
+    })  # fmt: skip
+    examples = load_mmeb_dataset(rows, negatives=True)
+    assert examples[0] == {"task": "train", "query": {"text": "a red circle"}, "target": {"text": "red"},
+                           "negative": {"text": "a red square"}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"data row 1 .*task 'train' has no negative: its neg_text and neg_image_path"):
+        examples[1]
+
+
 # --- GradCache -------------------------------------------------------------------------------------------------------
 
 
@@ -248,7 +280,7 @@ def test_train_command_on_mmeb_files(tiny_moemb, tmp_path):
     args = parser.parse_args([
         "--model", str(tiny_moemb), "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "2",
         "--batch-size", "4", "--chunk-size", "2", "--lora-r", "2", "--lora-alpha", "4", "--expert-lora", "grouped",
-        "--expert-lora-groups", "4", "--mask-duplicate-targets", "--logging-steps", "1",
+        "--expert-lora-groups", "4", "--mask-duplicate-targets", "--logging-steps", "1", "--eval-data", str(data),
     ])  # fmt: skip
     assert run_train(args) == 0
     out = tmp_path / "out"
@@ -257,6 +289,7 @@ def test_train_command_on_mmeb_files(tiny_moemb, tmp_path):
     assert not (out / "checkpoints").exists()
     training = json.loads((out / "moezoo.json").read_text())["training"]
     assert training["steps"] == 2 and training["gradcache_chunk_size"] == 2 and "4 groups" in training["lora"]
+    assert training["eval_loss"] > 0
     model = MoEmbForEmbedding.from_pretrained(out)
     assert not any("lora" in name for name in model.state_dict())
     assert embed(model, MoEmbProcessor.from_pretrained(out), ["a red circle"], progress=False).shape == (1, 64)

@@ -51,6 +51,9 @@ SIZES = {
     "tiny": TINY_MOEMB,
     "a3b": MOEMB_CONFIGS["MoEMB-A3B"] | {"emb_token_id": 248077},
 }  # fmt: skip
+# The default --image-size of each size, in pixels: an image must fit its context (the tiny model's 512 positions
+# hold 64 image tokens at 64 px, not the 784 of a 224 px image).
+IMAGE_SIZES = {"cpu": 224, "tiny": 64, "a3b": 224}
 DEFAULT_SIZE = "cpu"
 INPUT_KINDS = ("text", "image+text")
 WORDS = ("a", "photo", "of", "the", "red", "green", "blue", "circle", "square", "moving", "left", "image", "text")
@@ -77,8 +80,9 @@ def bench_configs(size: str = DEFAULT_SIZE) -> tuple[MoEmbConfig, Qwen3_5MoeConf
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
     fields = copy.deepcopy(SIZES[size])
     config = MoEmbConfig(**fields)
-    ids = {key: fields[key] for key in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                        "vision_end_token_id")}  # fmt: skip
+    # From the config: a size may leave them at their defaults (the A3B's ids).
+    ids = {key: getattr(config, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                 "vision_end_token_id")}  # fmt: skip
     return config, Qwen3_5MoeConfig(text_config=fields["text_config"], vision_config=fields["vision_config"], **ids)
 
 
@@ -217,7 +221,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", nargs="+", choices=INPUT_KINDS, default=list(INPUT_KINDS))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--text-tokens", type=int, default=64, help="words per caption, at most (half at least)")
-    parser.add_argument("--image-size", type=int, default=224, help="square images of image+text inputs, in pixels")
+    parser.add_argument("--image-size", type=int,
+                        help="square images of image+text inputs, in pixels (default: "
+                             + ", ".join(f"{size} {pixels}" for size, pixels in IMAGE_SIZES.items()) + ")")
     parser.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
     parser.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per kind of input")
     add_threads_argument(parser)
@@ -232,7 +238,7 @@ def run_bench(args: argparse.Namespace) -> int:
         task = progress.add_task("moemb", total=len(args.inputs))
         rows = run_moemb_bench(
             config, qwen_config, kinds=args.inputs, batch_size=args.batch_size, text_tokens=args.text_tokens,
-            image_size=args.image_size, implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
+            image_size=args.image_size or IMAGE_SIZES[args.size], implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
             seconds_per_case=args.seconds_per_case,
             on_case_done=lambda kind: progress.update(task, advance=1, description=kind),
         )  # fmt: skip

@@ -29,6 +29,8 @@ SOURCE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5")
 # mm_token_type_ids values of the Qwen3.5 processor: what a modality expert map is keyed by.
 TOKEN_MODALITIES = {0: "text", 1: "image", 2: "video"}
 UPCYCLE_ROUTER_INITS = ("random", "tiled", "zero_bias")
+# What Qwen3_5MoeTextRotaryEmbedding uses when rope_parameters has no mrope_section.
+DEFAULT_MROPE_SECTION = [11, 11, 10]
 # Names under which older or dense checkpoints store the sub-configs (Qwen3_5MoeConfig renames the first one too).
 _SUB_CONFIG_MODEL_TYPES = {
     "text_config": ("qwen3_5_moe_text", ("qwen3_5_text",)),
@@ -162,17 +164,22 @@ class MoEmbConfig(PreTrainedConfig):
                 f"MoEmbConfig.vision_config.out_hidden_size={vision.out_hidden_size} must equal "
                 f"text_config.hidden_size={text.hidden_size}: merged image features replace token embeddings"
             )
+        self._validate_vision_patches_and_heads()
+        self._validate_mrope_section()
         _require_choice(self, "source_model_type", SOURCE_MODEL_TYPES)
         _require_choice(self, "pooling", POOLING_TYPES)
-        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-            _require_token_id(self, name, text.vocab_size)
+        special_tokens = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
         if self.emb_token_id is not None:
-            _require_token_id(self, "emb_token_id", text.vocab_size)
-            if self.emb_token_id in (self.image_token_id, self.video_token_id):
-                raise ValueError(
-                    f"MoEmbConfig.emb_token_id={self.emb_token_id} is an image/video placeholder id; <emb> needs a "
-                    "token of its own"
-                )
+            special_tokens.append("emb_token_id")
+        for name in special_tokens:
+            _require_token_id(self, name, text.vocab_size)
+        ids = [getattr(self, name) for name in special_tokens]
+        shared = [f"{name}={token_id}" for name, token_id in zip(special_tokens, ids) if ids.count(token_id) > 1]
+        if shared:
+            raise ValueError(
+                f"MoEmbConfig.{' and MoEmbConfig.'.join(shared)} share a token id: the image and video placeholders, "
+                "the vision start/end markers and <emb> each need a token of their own"
+            )
         if not isinstance(self.emb_token, str) or not self.emb_token:
             raise ValueError(f"MoEmbConfig.emb_token must be a non-empty string, got {self.emb_token!r}")
         for name in ("normalize_embeddings", "router_trainable", "use_shared_expert", "router_bias"):
@@ -187,10 +194,42 @@ class MoEmbConfig(PreTrainedConfig):
                 "MoEmbConfig.use_shared_expert=True needs text_config.shared_expert_intermediate_size > 0, got "
                 f"{text.shared_expert_intermediate_size!r}"
             )
-        self._validate_upcycling()
         self._validate_modality_routing()
         # The core validates sizes and top-k (each message names its MoeLayerSpec field).
         self.moe_layer_spec()
+        self._validate_upcycling()  # after the core's check of the expert counts it compares
+
+    def _validate_vision_patches_and_heads(self) -> None:
+        vision = self.vision_config
+        for name in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_heads"):
+            if not _is_positive_int(getattr(vision, name)):
+                raise ValueError(
+                    f"MoEmbConfig.vision_config.{name} must be a positive integer, got {getattr(vision, name)!r}"
+                )
+        if vision.hidden_size % vision.num_heads:
+            raise ValueError(
+                f"MoEmbConfig.vision_config.num_heads={vision.num_heads} must divide vision_config.hidden_size="
+                f"{vision.hidden_size}: every attention head gets hidden_size / num_heads dimensions"
+            )
+
+    def _validate_mrope_section(self) -> None:
+        """Spec §4.2: the temporal, height and width sections of MRoPE share the rotary dimensions' frequencies
+        (rotary_dim / 2 of them); transformers does not check this and runs with wrong positions otherwise."""
+        text = self.text_config
+        rope = text.rope_parameters
+        section = rope.get("mrope_section", DEFAULT_MROPE_SECTION)
+        rotary_dim = int(text.head_dim * rope.get("partial_rotary_factor", 1.0))
+        if (
+            not isinstance(section, (list, tuple))
+            or len(section) != 3
+            or not all(_is_non_negative_int(size) for size in section)
+            or sum(section) != rotary_dim // 2
+        ):
+            raise ValueError(
+                f"MoEmbConfig.text_config.rope_parameters.mrope_section={section!r} must be three non-negative integers "
+                f"(temporal, height, width) summing to rotary_dim / 2 = {rotary_dim // 2} (head_dim {text.head_dim} * "
+                f"partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)} / 2)"
+            )
 
     def _validate_upcycling(self) -> None:
         upcycled = self.moe_variant == "upcycled"
@@ -206,6 +245,18 @@ class MoEmbConfig(PreTrainedConfig):
             )
         if self.upcycle_router_init is not None:
             _require_choice(self, "upcycle_router_init", UPCYCLE_ROUTER_INITS)
+        granularity, text = self.upcycle_granularity, self.text_config
+        if text.num_experts < granularity:
+            raise ValueError(
+                f"MoEmbConfig.upcycle_granularity={granularity} exceeds text_config.num_experts={text.num_experts}: "
+                "each slice of the dense FFN needs at least one expert"
+            )
+        if granularity > 1 and text.num_experts_per_tok != granularity:
+            raise ValueError(
+                f"MoEmbConfig.text_config.num_experts_per_tok={text.num_experts_per_tok} must equal "
+                f"upcycle_granularity={granularity}: fine-grained upcycling needs each token to select one replica of "
+                "every slice to compute the dense FFN (routed_scaling_factor = granularity assumes it)"
+            )
 
     def _validate_modality_routing(self) -> None:
         if self.moe_variant != "modality":

@@ -277,27 +277,13 @@ class _UpcyclingPlan:
             router_init="tiled" if router_init is None else router_init,
             dense_width=text_config["intermediate_size"],
         )
-        for name in ("num_experts", "granularity", "top_k"):
-            value = getattr(plan, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if plan.router_init not in UPCYCLE_ROUTER_INITS:
-            choices = ", ".join(map(repr, UPCYCLE_ROUTER_INITS))
-            raise ValueError(f"router_init={plan.router_init!r} is not one of {choices}")
-        if plan.dense_width % plan.granularity:
+        # MoEmbConfig, which the plan becomes, checks the rest (router_init, the expert counts, top_k = granularity);
+        # cutting the dense FFN needs this first.
+        granularity = plan.granularity
+        if not (isinstance(granularity, int) and granularity > 0 and plan.dense_width % granularity == 0):
             raise ValueError(
-                f"granularity={plan.granularity} does not divide the dense FFN width {plan.dense_width}: the slices "
-                "would not be equal"
-            )
-        if plan.num_experts < plan.granularity or plan.top_k > plan.num_experts:
-            raise ValueError(
-                f"num_experts={plan.num_experts} needs at least one replica of each of the {plan.granularity} slices "
-                f"and at least top_k={plan.top_k} experts"
-            )
-        if plan.granularity > 1 and plan.top_k != plan.granularity:
-            raise ValueError(
-                f"fine-grained upcycling (granularity={plan.granularity}) needs top_k = granularity (got "
-                f"{plan.top_k}): each token must select one replica of every slice to compute the dense FFN"
+                f"granularity={granularity!r} must be a positive integer that divides the dense FFN width "
+                f"{plan.dense_width}: the slices would not be equal otherwise"
             )
         return plan
 
@@ -613,7 +599,8 @@ def measure_differences(source: str | Path, converted: MoEmbForEmbedding) -> dic
         reference = Qwen3_5Model.from_pretrained(source, dtype=torch.float32)
     previous_implementation = config.text_config._experts_implementation
     converted.set_experts_implementation("eager")
-    batch = synthetic_batch(config)
+    # Text ids the source knows: the conversion may have grown the vocabulary to hold <emb> (spec §5.3).
+    batch = synthetic_batch(config, vocab_size=reference.get_input_embeddings().num_embeddings)
     expected = reference.eval()(**batch, output_router_logits=native)
     got = converted.model(**batch, output_router_logits=native)
     converted.set_experts_implementation(previous_implementation)
@@ -629,11 +616,11 @@ def measure_differences(source: str | Path, converted: MoEmbForEmbedding) -> dic
     return differences
 
 
-def synthetic_batch(config: MoEmbConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(config: MoEmbConfig, seed: int = 0, vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Two items: text + a 4-token image + a 2-step video (each step wrapped in vision start/end, with a timestamp
     token between them), and a shorter text-only item, right-padded. No `<emb>`: its row is new, so the source model
-    cannot agree on it."""
-    vision, vocab = config.vision_config, config.text_config.vocab_size
+    cannot agree on it. Text ids lie below `vocab_size` (default: the config's)."""
+    vision, vocab = config.vision_config, vocab_size or config.text_config.vocab_size
     generator = torch.Generator().manual_seed(seed)
     special = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id,
                config.emb_token_id}

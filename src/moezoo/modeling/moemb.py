@@ -392,6 +392,8 @@ class MoEmbModel(MoEmbPreTrainedModel):
         output_routing_counts: bool = False,
     ) -> MoEmbModelOutput:
         packed = self._check_inputs(input_ids, attention_mask, cu_seqlens, output_router_logits)
+        self._check_visual_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         if mm_token_type_ids is None:
             mm_token_type_ids = (input_ids == self.config.image_token_id).long()
             mm_token_type_ids += 2 * (input_ids == self.config.video_token_id).long()
@@ -468,6 +470,24 @@ class MoEmbModel(MoEmbPreTrainedModel):
                 f"input_ids {tuple(input_ids.shape)}" + (" and an attention_mask" if attention_mask is not None else "")
             )
         return PackedSequences.from_cu_seqlens(cu_seqlens.to(input_ids.device), input_ids.shape[1])
+
+    def _check_visual_inputs(self, input_ids, **visual_inputs) -> None:
+        """Placeholders need their pixels and grid, and pixels their grid (e.g. a collator that dropped the visual
+        keys): without this, the vision tower fails with an unrelated TypeError or AttributeError."""
+        for kind, token_id, pixels, grid in (
+            ("image", self.config.image_token_id, "pixel_values", "image_grid_thw"),
+            ("video", self.config.video_token_id, "pixel_values_videos", "video_grid_thw"),
+        ):
+            missing = [name for name in (pixels, grid) if visual_inputs[name] is None]
+            if not missing:
+                continue
+            num_placeholders = int((input_ids == token_id).sum())
+            if num_placeholders or visual_inputs[pixels] is not None:
+                raise ValueError(
+                    f"input_ids hold {num_placeholders} {kind} placeholder tokens (id {token_id}) but "
+                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: pass {pixels} and "
+                    f"{grid} as the processor returned them with these input_ids"
+                )
 
 
 class MoEmbForEmbedding(MoEmbPreTrainedModel):

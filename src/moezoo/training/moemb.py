@@ -20,8 +20,9 @@
 
 Data is MMEB's training format (VLM2Vec): `qry`, `qry_image_path`, `pos_text`, `pos_image_path` and optionally
 `neg_text`, `neg_image_path`, in a JSON / JSON Lines / CSV / Parquet file, a folder of them (one task each), or a
-`datasets.Dataset`; image paths are relative to `--image-root` (default: the data's folder). The loss curve and the
-routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files.
+`datasets.Dataset`; image paths are relative to `--image-root` (default: the data's folder). Validation data
+(`--eval-data`, same format) gets the training loss, `eval_loss`, every `--logging-steps` steps. The loss curves and
+the routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def load_mmeb_dataset(source: str | Path | Dataset, image_root: str | Path | Non
     `source` is a table file, a folder of table files (each a task, named after the file), or a `datasets.Dataset`
     whose image columns hold paths or images. Relative image paths are resolved against `image_root` (default: the
     folder of the data). With `negatives`, the `neg_text` / `neg_image_path` columns become a hard negative per
-    query (a row without one fails when its batch is processed).
+    query. A row with an empty side (neither text nor image) fails, naming the row, when its batch is processed.
     """
     sides = SIDES if negatives else SIDES[:2]
     columns = [column for side in sides for column in MMEB_COLUMNS[side]]
@@ -100,7 +101,8 @@ def load_mmeb_dataset(source: str | Path | Dataset, image_root: str | Path | Non
                 "pos_image_path" + (" and, for --negatives, neg_text, neg_image_path" if negatives else "")
             )
         table = table.select_columns(columns)
-        tables.append(table.add_column("task", [task] * len(table)))
+        # "row" only names the row in errors; the examples do not have it.
+        tables.append(table.add_column("task", [task] * len(table)).add_column("row", list(range(len(table)))))
     dataset = concatenate_datasets(tables)
     if len(dataset) == 0:
         raise ValueError(f"{source} holds no examples")
@@ -112,8 +114,15 @@ def _mmeb_examples(batch: dict, sides: tuple[str, ...], image_root: Path | None)
     examples = {"task": batch["task"]}
     for side in sides:
         text_column, image_column = MMEB_COLUMNS[side]
-        pairs = zip(batch[text_column], batch[image_column])
-        examples[side] = [mmeb_input(text, image, image_root) for text, image in pairs]
+        examples[side] = [mmeb_input(text, image, image_root) for text, image in
+                          zip(batch[text_column], batch[image_column])]  # fmt: skip
+        for task, row, item in zip(batch["task"], batch["row"], examples[side]):
+            if item["text"] is None and "images" not in item:
+                raise ValueError(
+                    f"data row {row} (counting from 0) of task {task!r} has no {side}: its {text_column} and "
+                    f"{image_column} are both empty"
+                    + (" (--negatives takes a hard negative from every row)" if side == "negative" else "")
+                )
     return examples
 
 
@@ -269,6 +278,14 @@ class MoEmbTrainer(Trainer):
         )  # fmt: skip
         return loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The batch's InfoNCE loss as `compute_loss` gives it (what `evaluate()` reports as `eval_loss`). The
+        stock step would call the model on the collated sides; the embeddings are not kept as predictions."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
 
 # --- LoRA ---------------------------------------------------------------------------------------------------------
 
@@ -399,12 +416,16 @@ class MoEmbTrainingOptions:
 
 @dataclass
 class LossHistory(TrainerCallback):
-    curves: dict[str, list[float]] = field(default_factory=lambda: {"InfoNCE loss": [], "learning rate": []})
+    curves: dict[str, list[float]] = field(
+        default_factory=lambda: {"InfoNCE loss": [], "learning rate": [], "validation InfoNCE loss": []}
+    )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.curves["InfoNCE loss"].append(float(logs["loss"]))
             self.curves["learning rate"].append(float(logs.get("learning_rate", float("nan"))))
+        if logs and "eval_loss" in logs:
+            self.curves["validation InfoNCE loss"].append(float(logs["eval_loss"]))
 
 
 def train_moemb(
@@ -414,16 +435,20 @@ def train_moemb(
     options: MoEmbTrainingOptions | None = None,
     image_root: str | Path | None = None,
     overwrite: bool = False,
+    eval_data=None,
 ) -> dict:
     """LoRA-train the MoEMB model in `model_dir` on `data` (MMEB's training format, see `load_mmeb_dataset`) and save
-    the merged model, its processor, the loss curves and the routing heatmap to `out`. Returns the training record
-    (also written to the provenance file)."""
+    the merged model, its processor, the loss curves and the routing heatmap to `out`. With `eval_data` (the same
+    format), the validation InfoNCE loss is measured every `logging_steps` steps, on batches of the training size.
+    Returns the training record (also written to the provenance file)."""
     options = options or MoEmbTrainingOptions()
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
-    if len(dataset) < options.batch_size:
-        raise ValueError(f"the data set has {len(dataset)} examples, fewer than one batch of {options.batch_size}")
+    eval_dataset = None if eval_data is None else load_mmeb_dataset(eval_data, image_root, options.negatives)
+    for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
+        if examples is not None and len(examples) < options.batch_size:
+            raise ValueError(f"the {name} has {len(examples)} examples, fewer than one batch of {options.batch_size}")
     if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
         raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
                          f"{options.chunk_size}")  # fmt: skip
@@ -447,11 +472,15 @@ def train_moemb(
             max_grad_norm=1.0,
             bf16=options.bf16,
             dataloader_drop_last=True,  # equal local batches: the labels of the gathered logits assume them
+            # Validation batches as large as the training ones: InfoNCE depends on the number of in-batch negatives.
+            per_device_eval_batch_size=options.batch_size,
+            eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
         )
         history = LossHistory()
         collator = MoEmbCollator(processor, options.chunk_size, options.max_length)
         trainer = MoEmbTrainer(
-            model=peft_model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[history],
+            model=peft_model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
+            callbacks=[history],
             logit_scale=model.config.logit_scale, mask_duplicate_targets=options.mask_duplicate_targets,
             gradcache=options.chunk_size is not None,
         )  # fmt: skip
@@ -483,6 +512,8 @@ def train_moemb(
             "trainable_parameters": trainable,
             "gradcache_chunk_size": options.chunk_size,
         }
+        if eval_dataset is not None:  # evaluated at the last step too (the Trainer does when it ends)
+            training["eval_loss"] = round(history.curves["validation InfoNCE loss"][-1], 4)
         write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
     return training
@@ -513,6 +544,9 @@ def add_train_arguments(parser) -> None:
                         help="MMEB training data: a JSON/JSONL/CSV/Parquet file with qry, qry_image_path, pos_text, "
                              "pos_image_path (and neg_text, neg_image_path), or a folder of such files, one per task")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--eval-data",
+                        help="validation data in the format of --data: its InfoNCE loss is logged every "
+                             "--logging-steps steps")
     parser.add_argument("--image-root", help="folder the image paths are relative to (default: the data's folder)")
     add_trainer_arguments(parser, defaults, helps={
         "batch_size": "pairs per process; all processes' targets are every query's negatives",
@@ -553,6 +587,6 @@ def run_train(args) -> int:
                          train_router=args.train_router),
     )  # fmt: skip
     training = train_moemb(args.model, args.data, args.out, options, image_root=args.image_root,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, eval_data=args.eval_data)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
     return 0
