@@ -5,6 +5,7 @@ import argparse
 import json
 import shutil
 
+import huggingface_hub
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from conftest import run_moezoo
 from moezoo.configuration.mote import TINY_GLM_OCR, TINY_LLAMA, TINY_SIGLIP_VISION
 from moezoo.conversion import mote_glm_ocr, mote_llama
+from moezoo.conversion.common import find_converter, local_source, save_conversion
 from moezoo.conversion.mote_common import GLM_FFN, LLAMA_FFN, build_experts, parse_experts, split_groups
 from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote, synthetic_video_inputs
@@ -148,6 +150,14 @@ def test_copy_half_is_exact_and_the_paper_literal_mode_doubles_the_ffn(glm_sourc
     with torch.no_grad():
         output = literal.model.language_model.layers[0].mlp(hidden, task_ids=torch.tensor([1, 1]))
         assert torch.equal(output, 2 * dense(hidden))
+
+
+def test_copy_half_without_a_shared_expert_is_rejected_naming_the_construction_to_use(llama_source):
+    _, folder = llama_source
+    with pytest.raises(ValueError, match="needs one: keep the shared expert, or use construction='copy'"):
+        convert_llama_to_mote(folder, experts=["a", "b"], construction="copy_half", num_shared_experts=0)
+    model, report = convert_llama_to_mote(folder, experts=["a", "b"], num_shared_experts=0)
+    assert report["max_abs_diff"] == 0.0 and model.config.mote_num_shared_experts == 0
 
 
 # --- the split construction (spec §5.3, §9.10) --------------------------------------------------------------------
@@ -403,6 +413,26 @@ def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     dense = mote_llama.convert(folder, **vars(parser.parse_args(["--dense"])))  # the text-only dense baseline
     assert isinstance(dense.model, LlamaMoteForCausalLM) and dense.model.config.mote_expert_names == []
     assert dense.provenance["max_abs_diff"] == 0.0
+
+
+def test_a_hub_source_is_recorded_by_its_repo_id_not_its_cache_path(llama_source, tmp_path, monkeypatch):
+    _, folder = llama_source
+    # The Hub cache's layout, as `snapshot_download` leaves it, read offline.
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--my-org--tiny-llama"
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    snapshot = local_source("my-org/tiny-llama")  # what `moezoo convert --from my-org/tiny-llama` reads
+    result = mote_llama.convert(snapshot, experts={"a": None, "b": None}, verify=False)
+    save_conversion(result, find_converter("llama_mote", "llama"), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mote_base_model"] == "my-org/tiny-llama"
+    provenance = read_provenance(tmp_path / "out")
+    assert provenance["base_model"] == provenance["source"] == "my-org/tiny-llama"
+    local = mote_llama.convert(folder, experts={"a": None}, verify=False)  # a folder is named by its path
+    assert local.model.config.mote_base_model == local.provenance["base_model"] == str(folder)
 
 
 def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_source, siglip_source, tmp_path):

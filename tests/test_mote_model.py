@@ -5,11 +5,14 @@ strongest checks compare against transformers' own LlamaForCausalLM and GlmOcrFo
 """
 
 import copy
+import json
+import re
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import (
+    AutoModelForMultimodalLM,
     GlmOcrConfig,
     GlmOcrForConditionalGeneration,
     LlamaConfig,
@@ -34,6 +37,7 @@ from moezoo.configuration.mote import (
 )
 from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote, synthetic_video_inputs
+from moezoo.hub.export import export_folder
 from moezoo.hub.flatten import flatten_modules
 from moezoo.modeling.moe.accounting import count_parameters
 from moezoo.modeling.moe.router import TopKRouter
@@ -44,6 +48,7 @@ from moezoo.modeling.mote import (
     MoteFeedForward,
     VideoLlmMoteForConditionalGeneration,
 )
+from moezoo.zoo import create_from_preset
 
 
 COIN = ["step", "next", "proc", "task", "proc_plus"]
@@ -131,6 +136,13 @@ def test_invalid_mote_fields_name_the_field(changes, field):
         LlamaMoteConfig(**TINY_LLAMA_MOTE | changes)
 
 
+def test_copy_half_without_a_shared_expert_is_rejected_naming_both_fields():
+    copy_half = dict(mote_init={"experts": "copy", "shared": "copy_half"}, mote_num_shared_experts=0)
+    both_fields = r"LlamaMoteConfig.mote_init\['shared'\]='copy_half' .* LlamaMoteConfig.mote_num_shared_experts=0"
+    with pytest.raises(ValueError, match=both_fields):
+        LlamaMoteConfig(**TINY_LLAMA_MOTE | copy_half)
+
+
 def test_invalid_videollm_fields_name_the_field():
     with pytest.raises(ValueError, match="frame_num_tokens"):
         VideoLlmMoteConfig(**TINY_VIDEOLLM_MOTE | dict(frame_num_tokens=9))
@@ -138,6 +150,11 @@ def test_invalid_videollm_fields_name_the_field():
         VideoLlmMoteConfig(**TINY_VIDEOLLM_MOTE | dict(video_token_id=128002))  # beyond the tiny vocabulary
     with pytest.raises(ValueError, match="frame_resolution"):
         VideoLlmMoteConfig(**TINY_VIDEOLLM_MOTE | dict(frame_resolution=64))
+
+
+def test_the_video_placeholder_and_the_frame_separator_must_be_different_tokens():
+    with pytest.raises(ValueError, match="video_token_id and VideoLlmMoteConfig.frame_token_interval_id are both 11"):
+        VideoLlmMoteConfig(**TINY_VIDEOLLM_MOTE | dict(video_token_id=11))
 
 
 @pytest.mark.parametrize(
@@ -284,6 +301,28 @@ def test_videollm_frames_become_ten_tokens_each(videollm):
     inputs["input_ids"][0, inputs["input_ids"][0].tolist().index(120)] = 5  # one placeholder fewer than tokens
     with pytest.raises(ValueError, match="video placeholders"):
         model(**inputs, task_ids=routes(0, 0))
+
+
+def test_videollm_placeholders_need_their_frames_at_the_frame_resolution(videollm):
+    _, model = videollm
+    inputs = synthetic_video_inputs(model.config)
+    frames = ("pixel_values_videos", "video_num_frames")
+    without_frames = {key: value for key, value in inputs.items() if key not in frames}
+    with pytest.raises(ValueError, match="40 video placeholders .* but no frames were given"):
+        model(**without_frames, task_ids=routes(0, 0))
+    resolution = model.config.frame_resolution
+    size = resolution + 16
+    wrong_size = inputs | {"pixel_values_videos": torch.zeros(4, 3, size, size)}
+    with pytest.raises(ValueError, match=f"{size}x{size} frames, but config.frame_resolution={resolution}: .* processor"):
+        model(**wrong_size, task_ids=routes(0, 0))
+
+
+def test_glm_ocr_image_placeholders_need_their_image(glm):
+    _, model = glm
+    inputs = synthetic_inputs(model.config)
+    without_image = {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}
+    with pytest.raises(ValueError, match="8 image placeholders .* but no image was given"):
+        model(**without_image)
 
 
 # --- parameter accounting (spec §3.6, §9.2) -----------------------------------------------------------------------
@@ -577,6 +616,43 @@ def test_the_sample_router_keeps_one_route_per_example_while_decoding(llama):
     assert len(seen) == 5 and all(ids == seen[0] for ids in seen)
 
 
+def left_padded_token_batch():
+    batch = token_batch(batch_size=4)
+    batch["attention_mask"][0, :2] = 0
+    return batch
+
+
+@pytest.mark.parametrize(
+    "family, make_inputs",
+    [
+        ("llama", lambda model: left_padded_token_batch()),
+        ("videollm", lambda model: synthetic_video_inputs(model.config)),
+        ("glm", lambda model: synthetic_inputs(model.config)),
+    ],
+)
+def test_the_sample_router_decides_on_the_prompt_with_or_without_a_kv_cache(family, make_inputs, request):
+    _, model = copy.deepcopy(request.getfixturevalue(family))
+    model.set_routing_mode("sample_top1")
+    sample_router = model.get_decoder().sample_router
+    with torch.no_grad():
+        sample_router.weight.normal_(0, 2.0)  # decisive routes, which generated tokens could tip over
+    inputs = make_inputs(model)
+    decisions = []
+    hook = sample_router.register_forward_hook(lambda m, args, output: decisions.append(output[2][:, 0].tolist()))
+    options = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    try:
+        cached = model.generate(**inputs, **options)
+        uncached = model.generate(**inputs, **options, use_cache=False)
+        assert len(decisions) == 1 + 5 and all(routes == decisions[0] for routes in decisions)
+        beams = dict(max_new_tokens=3, do_sample=False, num_beams=2, num_return_sequences=2)
+        assert torch.equal(model.generate(**inputs, **beams, use_cache=False), model.generate(**inputs, **beams))
+    finally:
+        hook.remove()
+    assert torch.equal(uncached.sequences, cached.sequences)
+    for uncached_logits, cached_logits in zip(uncached.logits, cached.logits):
+        torch.testing.assert_close(uncached_logits, cached_logits, atol=1e-5, rtol=1e-4)
+
+
 def test_gradient_checkpointing_trains_only_the_routed_and_shared_experts(llama):
     _, model = copy.deepcopy(llama)
     model.activation_checkpointing_enable()
@@ -600,6 +676,29 @@ def test_only_the_layers_in_mote_layers_get_experts():
 
 
 # --- remote code (spec §9.9) -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "preset, model_class",
+    [("tiny-mote", VideoLlmMoteForConditionalGeneration), ("tiny-mote-glm-ocr", GlmOcrMoteForConditionalGeneration)],
+)
+def test_the_vision_language_models_load_with_auto_model_for_multimodal_lm(preset, model_class, tmp_path):
+    create_from_preset(preset, tmp_path / "created")
+    # `import moezoo` registered the class; an exported folder names it in its auto_map, for trust_remote_code.
+    assert type(AutoModelForMultimodalLM.from_pretrained(tmp_path / "created")) is model_class
+    export_folder(tmp_path / "created", tmp_path / "exported")
+    auto_map = json.loads((tmp_path / "exported" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForMultimodalLM"] == auto_map["AutoModelForImageTextToText"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-mote-llama", "tiny-mote", "tiny-mote-glm-ocr"])
+def test_every_load_in_the_exported_model_card_trusts_remote_code(preset, tmp_path):
+    # Without trust_remote_code, loading a folder whose config needs remote code asks "run custom code?" in a terminal.
+    create_from_preset(preset, tmp_path / "created")
+    export_folder(tmp_path / "created", tmp_path / "exported", repo_id="zoo/tiny")
+    usage = re.search(r"```python\n(.*?)```", (tmp_path / "exported" / "README.md").read_text(), re.DOTALL).group(1)
+    loads = re.findall(r"from_pretrained\(([^)]*)\)", usage)
+    assert loads and all("trust_remote_code=True" in arguments for arguments in loads), loads
 
 
 def test_flattened_code_saves_and_loads_with_trust_remote_code_without_moezoo(tmp_path):

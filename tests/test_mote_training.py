@@ -33,7 +33,7 @@ from moezoo.configuration.mote import (
     TINY_VIDEOLLM_MOTE,
     VideoLlmMoteConfig,
 )
-from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote
+from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote
 from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
 from moezoo.processors.build_mote import (
@@ -41,7 +41,13 @@ from moezoo.processors.build_mote import (
     make_glm_ocr_mote_processor,
     make_videollm_mote_processor,
 )
-from moezoo.processors.mote import VideoLlmMoteFrameProcessor, VideoLlmMoteProcessor, kie_prompt, task_prompt
+from moezoo.processors.mote import (
+    GlmOcrMoteProcessor,
+    VideoLlmMoteFrameProcessor,
+    VideoLlmMoteProcessor,
+    kie_prompt,
+    task_prompt,
+)
 from moezoo.training.mote import (
     MoteBucketBatchSampler,
     MoteCollator,
@@ -461,21 +467,29 @@ def test_train_mote_rejects_data_without_the_tasks_it_needs(videollm_folder, pro
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_kie_expert_trains_on_receipt_images_while_the_ocr_route_stays_glm_ocr(tmp_path):
-    # GLM-OCR-MoTE's recipe (spec §7.4): convert GLM-OCR with ocr (default route) and kie, train only kie.
+@pytest.fixture(scope="module")
+def glm_ocr_mote(tmp_path_factory):
+    """GLM-OCR-MoTE's starting point (spec §7.4): a tiny GLM-OCR converted with ocr (the default route) and kie, its
+    processor, and four receipt examples for kie."""
+    root = tmp_path_factory.mktemp("glm_ocr_mote")
     torch.manual_seed(0)
-    GlmOcrForConditionalGeneration(GlmOcrConfig(**TINY_GLM_OCR)).save_pretrained(tmp_path / "glm")
-    model, _ = convert_glm_ocr_to_mote(tmp_path / "glm", verify=False)
-    model.save_pretrained(tmp_path / "mote")
-    processor = make_glm_ocr_mote_processor(model.config, words=("shop", "total", "7"))
-    processor.save_pretrained(tmp_path / "mote")
+    base = GlmOcrForConditionalGeneration(GlmOcrConfig(**TINY_GLM_OCR)).eval()
+    base.save_pretrained(root / "glm")
+    model, _ = convert_glm_ocr_to_mote(root / "glm", verify=False)
+    model.save_pretrained(root / "mote")
+    make_glm_ocr_mote_processor(model.config, words=("shop", "total", "7")).save_pretrained(root / "mote")
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (24, 16, 3), dtype=np.uint8)) for _ in range(4)]
-    data = Dataset.from_dict({
+    receipts = Dataset.from_dict({
         "task": ["kie"] * 4, "prompt": [kie_prompt()] * 4, "image": images,
         "answer": ['{"company": "shop", "total": "7"}'] * 4,
     })  # fmt: skip
-    batch = MoteCollator(processor)([data[0], data[1]])
+    return base, root / "mote", receipts
+
+
+def test_receipt_images_batch_and_a_second_kie_expert_trains_alone(glm_ocr_mote, tmp_path):
+    _, folder, data = glm_ocr_mote
+    batch = MoteCollator(GlmOcrMoteProcessor.from_pretrained(folder))([data[0], data[1]])
     # 24 x 16 is below GLM-OCR's 8 merged tokens: resized up to 32 x 24, an 8 x 6 patch grid, 12 image tokens.
     assert batch["image_grid_thw"].tolist() == [[1, 8, 6]] * 2 and batch["pixel_values"].shape == (96, 96)
     assert batch["mm_token_type_ids"].shape == batch["input_ids"].shape
@@ -484,13 +498,47 @@ def test_kie_expert_trains_on_receipt_images_while_the_ocr_route_stays_glm_ocr(t
     options = MoteTrainingOptions(steps=2, batch_size=2, learning_rate=1e-2, weight_decay=0.1, add_expert="kie_v2",
                                   init_from="kie")
     with pytest.raises(ValueError, match=r"no example of the tasks \['kie_v2'\]"):
-        train_mote(tmp_path / "mote", data, tmp_path / "unused", options)
-    train_mote(tmp_path / "mote", data.map(lambda row: {"task": "kie_v2"}), tmp_path / "trained", options)
-    before, after = model.state_dict(), GlmOcrMoteForConditionalGeneration.from_pretrained(tmp_path / "trained")
+        train_mote(folder, data, tmp_path / "unused", options)
+    train_mote(folder, data.map(lambda row: {"task": "kie_v2"}), tmp_path / "trained", options)
+    before = GlmOcrMoteForConditionalGeneration.from_pretrained(folder).state_dict()
+    after = GlmOcrMoteForConditionalGeneration.from_pretrained(tmp_path / "trained")
     assert after.config.text_config.mote_expert_names == ["ocr", "kie", "kie_v2"]
     assert all(torch.equal(after.state_dict()[name], tensor) for name, tensor in before.items())
     assert any(not torch.equal(tensor, before[name.replace("kie_v2", "kie")])
                for name, tensor in after.state_dict().items() if ".kie_v2." in name)
+
+
+def test_training_only_the_kie_expert_keeps_the_ocr_route_glm_ocr_bit_for_bit(glm_ocr_mote, tmp_path):
+    # GLM-OCR-MoTE's recipe (spec §7.1, §7.4, A18): train only experts.kie; the shared expert stays frozen.
+    base, folder, receipts = glm_ocr_mote
+    with open(tmp_path / "receipts.jsonl", "w") as file:  # `moezoo train mote` reads files
+        for index, example in enumerate(receipts):
+            example["image"].save(tmp_path / f"{index}.png")
+            file.write(json.dumps({key: example[key] for key in ("task", "prompt", "answer")}
+                                  | {"image": f"{index}.png"}) + "\n")
+        # An OCR example beside them, which training kie alone leaves out.
+        ocr = {"task": "ocr", "prompt": "Text Recognition:", "answer": "shop", "image": "0.png"}
+        file.write(json.dumps(ocr) + "\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args([
+        "--model", str(folder), "--data", str(tmp_path / "receipts.jsonl"), "--out", str(tmp_path / "trained"),
+        "--steps", "2", "--batch-size", "2", "--lr", "1e-2", "--weight-decay", "0.1", "--train-experts", "kie",
+    ])  # fmt: skip
+    assert run_train(args) == 0
+    before = GlmOcrMoteForConditionalGeneration.from_pretrained(folder).state_dict()
+    trained = GlmOcrMoteForConditionalGeneration.from_pretrained(tmp_path / "trained").eval()
+    changed = {name for name, tensor in trained.state_dict().items() if not torch.equal(tensor, before[name])}
+    assert changed and all(".mlp.experts.kie." in name for name in changed), sorted(changed)
+    inputs = synthetic_inputs(trained.config)
+    with torch.no_grad():
+        assert torch.equal(trained(**inputs).logits, base(**inputs).logits)  # the default route: ocr
+    summary = json.loads((tmp_path / "trained" / "moezoo.json").read_text())["training"]
+    assert summary["examples_per_task"] == {"kie": 4}
+    with pytest.raises(ValueError, match="no expert named 'kei'"):
+        train_mote(folder, receipts, tmp_path / "x", MoteTrainingOptions(steps=1, train_experts=("kei",)))
+    with pytest.raises(ValueError, match="does not combine with add_expert or lora_r"):
+        train_mote(folder, receipts, tmp_path / "y", MoteTrainingOptions(steps=1, train_experts=("kie",), lora_r=4))
 
 
 # --------------------------------------------------------------------------------------- synthetic procedure videos

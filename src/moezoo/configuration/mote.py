@@ -255,6 +255,12 @@ class MoteTextConfigMixin:
                     f"{owner}.mote_init={self.mote_init!r}: the split construction splits the shared expert too "
                     "({'experts': 'split', 'shared': 'split'}); copies go with zero_down, copy_half or copy"
                 )
+            if self.mote_init["shared"] == "copy_half" and not self.mote_num_shared_experts:
+                raise ValueError(
+                    f"{owner}.mote_init['shared']='copy_half' needs a shared expert, but {owner}."
+                    "mote_num_shared_experts=0: copy_half scales each routed expert by 0.5 and leaves the other half "
+                    "of the dense FFN to the shared expert; without one every route computes 0.5 * FFN(x)"
+                )
         if self.mote_base_model is not None and not isinstance(self.mote_base_model, str):
             raise ValueError(f"{owner}.mote_base_model must be a path or Hub id, got {self.mote_base_model!r}")
 
@@ -347,6 +353,12 @@ class VideoLlmMoteConfig(PreTrainedConfig):
                     f"VideoLlmMoteConfig.{field} must be a token id in [0, text_config.vocab_size={vocab_size}), "
                     f"got {value!r}"
                 )
+        if self.video_token_id == self.frame_token_interval_id:
+            raise ValueError(
+                f"VideoLlmMoteConfig.video_token_id and VideoLlmMoteConfig.frame_token_interval_id are both "
+                f"{self.video_token_id}: the frame placeholder and the separator between frames must be different "
+                "tokens"
+            )
         pooled = self.frame_token_pooled
         if not isinstance(pooled, list) or len(pooled) != 2 or any(not _is_int(n) or n <= 0 for n in pooled):
             raise ValueError(f"VideoLlmMoteConfig.frame_token_pooled must be [rows, cols] > 0, got {pooled!r}")

@@ -46,6 +46,16 @@ def local_source(source: str | Path) -> Path:
     raise FileNotFoundError(f"{source} does not exist")
 
 
+def source_name(source: str | Path) -> str:
+    """How provenance names a source: the Hub repo id for a snapshot folder of the Hub cache (where `local_source`
+    downloads a repo id to; the cache path means nothing on another machine), else the path as given."""
+    parts = Path(source).parts
+    # <cache>/models--<org>--<name>/snapshots/<revision>; Hub repo ids cannot contain "--", so the split is exact.
+    if len(parts) >= 3 and parts[-3].startswith("models--") and parts[-2] == "snapshots":
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return str(source)
+
+
 def source_kind(path: Path) -> str:
     """What a source is: the `model_type` of its config.json, or "pytorch-pickle" for a bare .pt/.pth/.bin."""
     config = path / "config.json" if path.is_dir() else None
@@ -79,9 +89,15 @@ def find_converter(architecture: str, kind: str, variant: str | None = None) -> 
 
 
 def save_conversion(result: ConversionResult, converter: Converter, out: Path, overwrite: bool = False) -> Path:
+    """Save the model, its processor and the provenance (`moezoo.json`), whose source and base model name a Hub source
+    by its repo id whichever folder the converter read it from."""
+    provenance = dict(result.provenance)
+    for key in ("source", "base_model"):
+        if isinstance(provenance.get(key), str):
+            provenance[key] = source_name(provenance[key])
     with atomic_output_dir(out, overwrite=overwrite) as staging:
         result.model.save_pretrained(staging)
         if result.processor is not None:
             result.processor.save_pretrained(staging)
-        write_provenance(staging, result.provenance | {"converter": converter.name, "moezoo_version": __version__})
+        write_provenance(staging, provenance | {"converter": converter.name, "moezoo_version": __version__})
     return out

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
+from .common import source_name
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -135,6 +136,12 @@ def mote_fields(
     """The `mote_*` config fields of a conversion."""
     if construction not in CONSTRUCTIONS:
         raise ValueError(f"construction={construction!r} is not one of {', '.join(map(repr, CONSTRUCTIONS))}")
+    if construction == "copy_half" and not num_shared_experts:
+        raise ValueError(
+            "construction='copy_half' halves every routed expert and leaves the other half to the shared expert, so "
+            "it needs one: keep the shared expert, or use construction='copy' (--construction copy), which is exact "
+            "without a shared expert"
+        )
     expert_init, shared_init, scale = CONSTRUCTIONS[construction]
     names = list(experts)
     if not names:
@@ -385,9 +392,9 @@ def conversion_report(model, folder: Path, source_model_type: str, construction:
     the largest logits difference of every route to the source model (measured `compared_on`; None unverified)."""
     text_config = model.config.get_text_config()
     return {
-        "source": str(folder),
+        "source": source_name(folder),
         "source_model_type": source_model_type,
-        "base_model": str(folder),
+        "base_model": source_name(folder),
         "license": source_license(folder),
         "construction": construction,
         "mote_init": text_config.mote_init,

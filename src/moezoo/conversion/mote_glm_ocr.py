@@ -18,7 +18,7 @@ from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
 from ..configuration.mote import GlmOcrMoteConfig
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
-from .common import ConversionResult
+from .common import ConversionResult, source_name
 from .mote_common import (
     DTYPES,
     GLM_FFN,
@@ -87,7 +87,7 @@ def convert_glm_ocr_to_mote(
         | dict(
             text_config=text_fields | mote_fields(
                 experts, construction, dense_text_config.intermediate_size, num_shared_experts, default_route,
-                mote_layers, base_model=str(folder),
+                mote_layers, base_model=source_name(folder),
             ),
             vision_config=plain_config_fields(source_config.get("vision_config", {})),
         )

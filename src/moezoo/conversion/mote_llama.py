@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, Sigl
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
-from .common import ConversionResult
+from .common import ConversionResult, source_name
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -92,11 +92,11 @@ def convert_llama_to_mote(
     experts = as_experts(experts)
     llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
     if dense:
-        text_fields = llm_fields | dense_fields(base_model=str(folder))
+        text_fields = llm_fields | dense_fields(base_model=source_name(folder))
     else:
         text_fields = llm_fields | mote_fields(
             experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
-            mote_layers, base_model=str(folder),
+            mote_layers, base_model=source_name(folder),
         )
     vision_folder = None if vision is None else Path(vision)
     if vision_folder is None:

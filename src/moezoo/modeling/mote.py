@@ -10,8 +10,9 @@ Only the FFN of a converted decoder layer changes; everything else is transforme
 The route is `task_ids: LongTensor (batch_size,)`, one id per example, index into `config.mote_expert_names` (spec
 §2.1, 0-based). The text model resolves it once per batch (falling back to `mote_default_route`), passes it as an
 explicit argument to every decoder layer (so it never reaches the attention kernels), and keeps it with the KV cache:
-decoding steps must use the routes of the prefill (spec A20). `generate(..., task_ids=...)` forwards it at every
-step and repeats it for beam search like any other per-example tensor.
+decoding steps must use the routes of the prefill (spec A20); without a cache, `generate` keeps the `sample_top1`
+router on the prompt (`MoteGenerationMixin`). `generate(..., task_ids=...)` forwards `task_ids` at every step and
+repeats it for beam search like any other per-example tensor.
 
 State-dict keys of a MoTE FFN (Llama; GLM has a fused `gate_up_proj` instead of `gate_proj`/`up_proj`):
 
@@ -234,6 +235,12 @@ def check_task_ids(config, task_ids, batch_size: int, device) -> torch.LongTenso
     return task_ids.to(device=device, dtype=torch.long)
 
 
+def starts_a_sequence(cache: Cache | None) -> bool:
+    """Whether a forward starts a sequence (its prefill): no KV cache, or one that holds no tokens yet. A cache with
+    tokens continues a sequence whose routes and media were fixed at its prefill."""
+    return cache is None or cache.get_seq_length() == 0
+
+
 def masked_mean(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """(B, S, D) -> (B, D) fp32 mean over the positions where `mask` (B, S) is set (all positions if None)."""
     if mask is None:
@@ -258,10 +265,11 @@ def wants_router_logits(config, labels, output_router_logits: bool | None) -> bo
     return labels is not None and bool(config.mote_expert_names) and config.mote_routing_mode in LEARNED_ROUTING_MODES
 
 
-def sample_routing_mask(config, attention_mask, labels) -> torch.Tensor | None:
-    """In training (`labels` given) the sample router pools only the prompt; otherwise the text model's default."""
-    if labels is None or config.mote_routing_mode != "sample_top1":
-        return None
+def sample_routing_mask(config, attention_mask, labels, routing_mask) -> torch.Tensor | None:
+    """The positions the sample router pools: `routing_mask` when given (generation passes the prompt's), only the
+    prompt in training (`labels` given), otherwise the text model's default (the attention mask)."""
+    if routing_mask is not None or labels is None or config.mote_routing_mode != "sample_top1":
+        return routing_mask
     return prompt_mask(attention_mask, labels)
 
 
@@ -364,10 +372,19 @@ class MoteExpertsMixin:
     def freeze_for_expert_addition(self, name: str) -> list[nn.Parameter]:
         """Freeze every parameter except those of expert `name` in every layer, and return those (to build the
         optimizer from): the other routes then stay bit-identical while `name` trains (spec §3.3)."""
-        self.route_id(name)
+        return self.freeze_all_but_experts([name])
+
+    def freeze_all_but_experts(self, names: list[str]) -> list[nn.Parameter]:
+        """Freeze every parameter except those of the experts `names` in every layer (the shared expert, attention
+        and embeddings included), and return those: the routes of the other experts stay bit-identical while these
+        train, as GLM-OCR-MoTE's `kie` does with `ocr` (spec §7.1, §7.4, A18)."""
+        for name in names:
+            self.route_id(name)
         for parameter in self.parameters():
             parameter.requires_grad_(False)
-        trainable = [parameter for _, ffn in self.mote_layers() for parameter in ffn.experts[name].parameters()]
+        trainable = [
+            parameter for _, ffn in self.mote_layers() for name in names for parameter in ffn.experts[name].parameters()
+        ]
         for parameter in trainable:
             parameter.requires_grad_(True)
         return trainable
@@ -472,6 +489,39 @@ class MoteExpertsMixin:
         return [dense_layers[index].mlp for index, _ in layers]
 
 
+# --- generation: one route per sequence, with or without a KV cache ----------------------------------------------
+
+
+class MoteGenerationMixin:
+    """`generate` for the MoTE LM heads, placed before their `GenerationMixin`: a sequence keeps the route chosen on
+    its prompt (spec §2.5, A20).
+
+    With a KV cache the routes travel with the cache. Without one every step re-runs the whole sequence, and the
+    `sample_top1` router would pool the generated tokens too and could switch routes mid-sequence; so those steps
+    pass `routing_mask`, the prompt's positions: the attention mask with the generated tokens left out. `generate`
+    drops an all-ones attention mask, so the generated tokens are counted rather than masked from the first step.
+    """
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
+        model_kwargs = super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+        )
+        model_kwargs["num_generated_tokens"] = model_kwargs.get("num_generated_tokens", 0) + num_new_tokens
+        return model_kwargs
+
+    def prepare_inputs_for_generation(
+        self, input_ids, attention_mask=None, inputs_embeds=None, num_generated_tokens: int = 0, **kwargs
+    ):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+        )
+        if num_generated_tokens and model_inputs.get("cache") is None:
+            prompt = torch.ones_like(input_ids) if attention_mask is None else attention_mask.clone()
+            prompt[:, -num_generated_tokens:] = 0
+            model_inputs["routing_mask"] = prompt
+        return model_inputs
+
+
 # --- the routed text models: route resolution shared by the Llama and GLM decoders ---------------------------------
 
 
@@ -515,7 +565,7 @@ class MoteTextModelMixin:
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         # A cache that already holds tokens continues a sequence, whose routes were fixed at its prefill.
-        kept = getattr(cache, "mote_routes", None) if cache is not None and cache.get_seq_length() > 0 else None
+        kept = None if starts_a_sequence(cache) else getattr(cache, "mote_routes", None)
         routes, sample_router_logits = self.resolve_routes(
             task_ids, inputs_embeds, attention_mask if routing_mask is None else routing_mask, kept
         )
@@ -639,7 +689,7 @@ class LlamaMoteModel(MoteTextModelMixin, LlamaMotePreTrainedModel, LlamaModel):
         self.post_init()
 
 
-class LlamaMoteForCausalLM(LlamaMotePreTrainedModel, LlamaForCausalLM):
+class LlamaMoteForCausalLM(MoteGenerationMixin, LlamaMotePreTrainedModel, LlamaForCausalLM):
     """Text-only MoTE: `LlamaForCausalLM` with task experts."""
 
     def __init__(self, config: LlamaMoteConfig):
@@ -661,12 +711,16 @@ class LlamaMoteForCausalLM(LlamaMotePreTrainedModel, LlamaForCausalLM):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         task_ids: torch.LongTensor | None = None,
+        routing_mask: torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
         r"""
         task_ids (`torch.LongTensor` of shape `(batch_size,)`, *optional*): the route of each example, an index
             into `config.mote_expert_names`; default `config.mote_default_route`.
+        routing_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): the positions the
+            `sample_top1` router pools (see `MoteTextModelMixin.forward`); default the prompt when there are
+            `labels`, else `attention_mask`. `generate` passes the prompt's positions.
         output_router_logits (`bool`, *optional*): return the learned routers' logits (ablation modes); on by
             default there when `labels` are given, and the load-balancing loss is then added to `loss`.
         """
@@ -679,7 +733,7 @@ class LlamaMoteForCausalLM(LlamaMotePreTrainedModel, LlamaForCausalLM):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             task_ids=task_ids,
-            routing_mask=sample_routing_mask(self.config, attention_mask, labels),
+            routing_mask=sample_routing_mask(self.config, attention_mask, labels, routing_mask),
             output_router_logits=output_router_logits,
             **kwargs,
         )
@@ -762,6 +816,13 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
         Returns `pooler_output`: a tuple with one `(num_frames * frame_num_tokens, vision_hidden_size)` tensor per
         video (the form generation repeats for beam search); `last_hidden_state` is SigLIP's.
         """
+        resolution = self.config.frame_resolution
+        if tuple(pixel_values_videos.shape[-2:]) != (resolution, resolution):
+            raise ValueError(
+                f"pixel_values_videos holds {'x'.join(map(str, pixel_values_videos.shape[-2:]))} frames, but "
+                f"config.frame_resolution={resolution}: SigLIP's learned positions fix the frame size. Prepare frames "
+                f"with the model's processor (VideoLlmMoteProcessor letterboxes them to {resolution}x{resolution})"
+            )
         vision_outputs = self.vision_tower(pixel_values=pixel_values_videos.to(self.vision_tower.dtype), **kwargs)
         frame_tokens = self.frame_tokens(vision_outputs.last_hidden_state, vision_outputs.pooler_output)
         num_frames = frame_tokens.shape[0]
@@ -842,6 +903,15 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
             video_embeds = self.multi_modal_projector(frame_tokens.to(inputs_embeds.device, projector_dtype))
             mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(mask, video_embeds.to(inputs_embeds.dtype))
+        elif input_ids is not None and starts_a_sequence(cache):
+            # Otherwise the <v> embedding would silently stand in for every frame.
+            placeholders = int((input_ids == self.config.video_token_id).sum())
+            if placeholders:
+                raise ValueError(
+                    f"the text has {placeholders} video placeholders (video_token_id={self.config.video_token_id}) "
+                    "but no frames were given: pass the processor's pixel_values_videos and video_num_frames (or "
+                    "mm_encoder_outputs['video'])"
+                )
         outputs = self.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -861,7 +931,7 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
         )
 
 
-class VideoLlmMoteForConditionalGeneration(VideoLlmMotePreTrainedModel, GenerationMixin):
+class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreTrainedModel, GenerationMixin):
     """VideoLLM-MoTE (spec §2.7): frames and text in, next-token logits out; `generate(**inputs, task_ids=...)`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
@@ -893,6 +963,7 @@ class VideoLlmMoteForConditionalGeneration(VideoLlmMotePreTrainedModel, Generati
         logits_to_keep: int | torch.Tensor = 0,
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         task_ids: torch.LongTensor | None = None,
+        routing_mask: torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoteMultimodalCausalLMOutputWithPast:
@@ -903,7 +974,7 @@ class VideoLlmMoteForConditionalGeneration(VideoLlmMotePreTrainedModel, Generati
         labels (`(batch_size, sequence_length)`, *optional*): next-token targets, -100 where unsupervised. The loss
             averages over the supervised positions; positions whose input is `<v>` (silent-frame targets) are
             weighted by `config.stream_loss_weight` (spec §3.1).
-        task_ids / output_router_logits: see `LlamaMoteForCausalLM.forward`.
+        task_ids / routing_mask / output_router_logits: see `LlamaMoteForCausalLM.forward`.
         """
         text_config = self.config.text_config
         output_router_logits = wants_router_logits(text_config, labels, output_router_logits)
@@ -917,7 +988,7 @@ class VideoLlmMoteForConditionalGeneration(VideoLlmMotePreTrainedModel, Generati
             inputs_embeds=inputs_embeds,
             mm_encoder_outputs=mm_encoder_outputs,
             task_ids=task_ids,
-            routing_mask=sample_routing_mask(text_config, attention_mask, labels),
+            routing_mask=sample_routing_mask(text_config, attention_mask, labels, routing_mask),
             output_router_logits=output_router_logits,
             **kwargs,
         )
@@ -1082,6 +1153,17 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
             video_embeds = video_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
             _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_features=video_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
+        no_media = mm_encoder_outputs.get("image") is None and mm_encoder_outputs.get("video") is None
+        if no_media and input_ids is not None and starts_a_sequence(cache):
+            # Otherwise the placeholder's embedding would silently stand in for the image (GLM-OCR marks video
+            # patches with the image token too).
+            placeholders = int((input_ids == self.config.image_token_id).sum())
+            if placeholders:
+                raise ValueError(
+                    f"the text has {placeholders} image placeholders (image_token_id={self.config.image_token_id}) "
+                    "but no image was given: pass the processor's pixel_values and image_grid_thw (or "
+                    "mm_encoder_outputs['image'])"
+                )
 
         if position_ids is None:
             position_ids = self.compute_3d_position_ids(
@@ -1113,7 +1195,9 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
         )
 
 
-class GlmOcrMoteForConditionalGeneration(GlmOcrMotePreTrainedModel, GlmOcrForConditionalGeneration):
+class GlmOcrMoteForConditionalGeneration(
+    MoteGenerationMixin, GlmOcrMotePreTrainedModel, GlmOcrForConditionalGeneration
+):
     """GLM-OCR-MoTE (spec §2.6): `GlmOcrForConditionalGeneration` with task experts. Without `task_ids` it uses
     `mote_default_route` (`"ocr"`), which after a function-preserving conversion is GLM-OCR itself."""
 
@@ -1140,10 +1224,11 @@ class GlmOcrMoteForConditionalGeneration(GlmOcrMotePreTrainedModel, GlmOcrForCon
         logits_to_keep: int | torch.Tensor = 0,
         mm_encoder_outputs: dict[str, BaseModelOutputWithPooling] | None = None,
         task_ids: torch.LongTensor | None = None,
+        routing_mask: torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoteMultimodalCausalLMOutputWithPast:
-        r"""`GlmOcrForConditionalGeneration.forward` with `task_ids` and `output_router_logits` (see
+        r"""`GlmOcrForConditionalGeneration.forward` with `task_ids`, `routing_mask` and `output_router_logits` (see
         `LlamaMoteForCausalLM.forward`)."""
         text_config = self.config.text_config
         output_router_logits = wants_router_logits(text_config, labels, output_router_logits)
@@ -1160,7 +1245,7 @@ class GlmOcrMoteForConditionalGeneration(GlmOcrMotePreTrainedModel, GlmOcrForCon
             inputs_embeds=inputs_embeds,
             mm_encoder_outputs=mm_encoder_outputs,
             task_ids=task_ids,
-            routing_mask=sample_routing_mask(text_config, attention_mask, labels),
+            routing_mask=sample_routing_mask(text_config, attention_mask, labels, routing_mask),
             output_router_logits=output_router_logits,
             **kwargs,
         )

@@ -1,6 +1,8 @@
 """MoTE in the catalogue: VideoLLM-MoTE (main), GLM-OCR-MoTE and the text-only LlamaMote, their presets and
 converters."""
 
+import transformers
+
 from ..configuration.mote import (
     GLM_OCR_MOTE_CONFIGS,
     TINY_GLM_OCR_MOTE,
@@ -14,6 +16,10 @@ from ..registry import Architecture, Converter, Preset
 MODELING = "moezoo.modeling.mote"
 PROCESSING = "moezoo.processors.mote"
 BUILD = "moezoo.processors.build_mote"
+# The Auto classes of the vision-language members (spec §2.8): AutoModelForMultimodalLM too, where transformers has it.
+VLM_AUTO_CLASSES = ("AutoModelForImageTextToText",) + (
+    ("AutoModelForMultimodalLM",) if hasattr(transformers, "AutoModelForMultimodalLM") else ()
+)
 
 ARCHITECTURES = [
     Architecture(
@@ -22,7 +28,7 @@ ARCHITECTURES = [
         family="mote",
         config="moezoo.configuration.mote:VideoLlmMoteConfig",
         models={
-            "AutoModelForImageTextToText": f"{MODELING}:VideoLlmMoteForConditionalGeneration",
+            **dict.fromkeys(VLM_AUTO_CLASSES, f"{MODELING}:VideoLlmMoteForConditionalGeneration"),
             "AutoModel": f"{MODELING}:VideoLlmMoteModel",
         },
         processor=f"{PROCESSING}:VideoLlmMoteProcessor",
@@ -41,7 +47,7 @@ ARCHITECTURES = [
         family="mote",
         config="moezoo.configuration.mote:GlmOcrMoteConfig",
         models={
-            "AutoModelForImageTextToText": f"{MODELING}:GlmOcrMoteForConditionalGeneration",
+            **dict.fromkeys(VLM_AUTO_CLASSES, f"{MODELING}:GlmOcrMoteForConditionalGeneration"),
             "AutoModel": f"{MODELING}:GlmOcrMoteModel",
         },
         processor=f"{PROCESSING}:GlmOcrMoteProcessor",

@@ -6,6 +6,9 @@
   through LoRA on attention (`lora_r`), merged at the end.
 - Expert addition (spec §3.3): a new expert, copied from an existing one, the shared expert or the dense base, trains
   alone on its task; every other parameter is frozen, so every other route stays bit-identical.
+- Expert training (`train_experts`, spec §7.4): existing experts train alone on their tasks, as GLM-OCR-MoTE's `kie`
+  does; everything else, the shared expert included, is frozen, so the other routes (`ocr`: GLM-OCR) stay
+  bit-identical.
 - Batches come from `MoteBucketBatchSampler` (spec §7.3): one route per step on every process, buckets drawn in
   proportion to their unseen examples.
 
@@ -347,6 +350,7 @@ class MoteTrainingOptions:
     gradient_checkpointing: bool = False
     lora_r: int = 0  # 0: the decoder trains in full (for models trained from scratch); else LoRA on attention
     tasks: tuple[str, ...] = ()  # train on these tasks only (default: every task of the data)
+    train_experts: tuple[str, ...] = ()  # train only these existing experts, on their tasks (instead of `tasks`)
     add_expert: str | None = None  # expert addition: the new expert's name ...
     # ... what it starts as: an expert's name, "shared" (after joint training; a fresh conversion's shared expert
     # outputs zero) or "dense" (the FFNs of the dense base model)
@@ -447,22 +451,33 @@ def train_mote(
     """
     Train the MoTE model in `model_dir` on `data` (see `load_mote_dataset`) and save it with its processor, its loss
     curves (overall and per route) and a provenance record to `out`. Joint training by default; with
-    `options.add_expert`, expert addition on that task's examples only. Returns the training summary.
+    `options.add_expert`, expert addition on that task's examples only; with `options.train_experts`, those experts
+    alone on their tasks' examples. Returns the training summary.
 
     `dense_source` is the loaded dense base model, for `init_from="dense"` (default: loaded from
     `options.base_model` or the model's `mote_base_model`).
     """
     options = options or MoteTrainingOptions()
+    if options.train_experts and (options.add_expert or options.lora_r):
+        raise ValueError(
+            "train_experts trains those experts alone, with everything else frozen; it does not combine with "
+            "add_expert or lora_r"
+        )
     model, processor = load_mote_model(model_dir)
     if options.add_expert and options.init_from == "dense" and dense_source is None:
         dense_source = load_dense_base(model, options.base_model)
-    # Expert addition trains on the new task's examples only (spec §3.3).
-    dataset = load_mote_dataset(data, (options.add_expert,) if options.add_expert else options.tasks)
+    if options.train_experts:  # before reading the data, so that a misspelt expert fails naming the experts
+        model.freeze_all_but_experts(list(options.train_experts))
+    # Expert addition and expert training train on their experts' tasks only (spec §3.3, §7.4).
+    tasks = (options.add_expert,) if options.add_expert else options.train_experts or options.tasks
+    dataset = load_mote_dataset(data, tasks)
     text_config = model.config.get_text_config()
     if options.add_expert:
         model.add_expert(options.add_expert, options.init_from, dense_source, options.description)
         model.freeze_for_expert_addition(options.add_expert)
         trained, recipe = model, f"expert addition of {options.add_expert!r} (from {options.init_from!r})"
+    elif options.train_experts:
+        trained, recipe = model, f"experts {', '.join(options.train_experts)} only"
     else:
         freeze_vision(model)
         if options.lora_r:
@@ -527,6 +542,9 @@ def add_train_arguments(parser) -> None:
                         help="joint training with LoRA of this rank on attention (the paper's recipe), merged at the "
                              "end; 0 trains the decoder in full")
     parser.add_argument("--task", dest="tasks", nargs="+", default=(), help="train on these tasks only")
+    parser.add_argument("--train-experts", nargs="+", default=(), metavar="NAME",
+                        help="train only these existing experts, on the data's examples of their tasks; everything "
+                             "else (the shared expert included) stays frozen, so the other routes do not change")
     parser.add_argument("--add-expert", default=None, metavar="NAME",
                         help="expert addition: add expert NAME and train only it, on the data's NAME examples")
     parser.add_argument("--init-from", default=defaults.init_from,
@@ -541,8 +559,8 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoteTrainingOptions(
-        **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), add_expert=args.add_expert,
-        init_from=args.init_from, base_model=args.base_model, description=args.description,
+        **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), train_experts=tuple(args.train_experts),
+        add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
