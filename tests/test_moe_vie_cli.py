@@ -1,6 +1,7 @@
 """MoE-ViE through the command: `moezoo convert` (official checkpoint, SigLIP2 upcycling), `list`, and export."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import Siglip2Config, Siglip2Model
 
 from conftest import run_moezoo, run_python
 from moe_vie_reference import make_official_state_dict, official_model_config
+from moezoo.cli import main
 from moezoo.processors.tiny_tokenizers import build_tiny_clip_tokenizer
 
 
@@ -39,12 +41,18 @@ def tokenizer_folder(tmp_path):
     return tmp_path / "tokenizer"
 
 
-def test_convert_an_official_checkpoint_then_export(tmp_path, tokenizer_folder):
+@pytest.fixture
+def official_folder(tmp_path):
+    """A tiny checkpoint in the official release's format, with its model config beside it."""
     source = tmp_path / "official"
     source.mkdir()
     torch.save({"state_dict": make_official_state_dict(seed=3)}, source / "MoEViE-tiny.pt")
     (source / "MoEViE-tiny.json").write_text(json.dumps(official_model_config()))
-    result = run_moezoo("convert", "--to", "moe_vie", "--from", source, "--out", tmp_path / "converted",
+    return source
+
+
+def test_convert_an_official_checkpoint_then_export(tmp_path, official_folder, tokenizer_folder):
+    result = run_moezoo("convert", "--to", "moe_vie", "--from", official_folder, "--out", tmp_path / "converted",
                         "--tokenizer", tokenizer_folder)
     assert result.returncode == 0, result.stderr
     provenance = json.loads((tmp_path / "converted" / "moezoo.json").read_text())
@@ -66,7 +74,9 @@ def test_convert_an_official_checkpoint_then_export(tmp_path, tokenizer_folder):
     """, without_moezoo=True)
 
 
-def test_upcycle_a_siglip2_folder_exactly(tmp_path, tokenizer_folder):
+@pytest.fixture
+def siglip2_folder(tmp_path):
+    """A tiny SigLIP2 dual encoder with moezoo's tiny CLIP tokenizer (its vocabulary and special ids)."""
     torch.manual_seed(0)
     config = Siglip2Config(
         text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -78,7 +88,11 @@ def test_upcycle_a_siglip2_folder_exactly(tmp_path, tokenizer_folder):
     source = tmp_path / "siglip2"
     Siglip2Model(config).save_pretrained(source)
     build_tiny_clip_tokenizer().save_pretrained(source)
-    result = run_moezoo("convert", "--to", "moe_vie", "--from", source, "--out", tmp_path / "upcycled",
+    return source
+
+
+def test_upcycle_a_siglip2_folder_exactly(tmp_path, siglip2_folder):
+    result = run_moezoo("convert", "--to", "moe_vie", "--from", siglip2_folder, "--out", tmp_path / "upcycled",
                         "--num-experts", "8", "--granularity", "4", "--top-k", "3")
     assert result.returncode == 0, result.stderr
     provenance = json.loads((tmp_path / "upcycled" / "moezoo.json").read_text())
@@ -86,5 +100,37 @@ def test_upcycle_a_siglip2_folder_exactly(tmp_path, tokenizer_folder):
     assert provenance["upcycling"]["n_routed_experts"] == 7
     processor_config = json.loads((tmp_path / "upcycled" / "processor_config.json").read_text())
     assert processor_config["image_processor"]["resize_mode"] == "naflex"
-    wrong = run_moezoo("convert", "--to", "moe_vie", "--from", source, "--out", tmp_path / "bad", "--top-k", "99")
+    wrong = run_moezoo("convert", "--to", "moe_vie", "--from", siglip2_folder, "--out", tmp_path / "bad",
+                       "--top-k", "99")
     assert wrong.returncode == 2 and "top_k" in wrong.stderr and not (tmp_path / "bad").exists()
+
+
+def test_a_tokenizer_that_is_not_the_models_fails_the_conversion_and_writes_nothing(tmp_path, official_folder):
+    """transformers returns an empty tokenizer instead of raising when the files cannot be found (offline, or a
+    mistyped --tokenizer); the command must fail instead of saving it next to the model."""
+    (tmp_path / "typo").mkdir()  # a folder without tokenizer files; a Hub id that cannot be reached gives the same
+    out = tmp_path / "converted"
+    assert main(["convert", "--to", "moe_vie", "--from", str(official_folder), "--out", str(out), "--tokenizer",
+                 str(tmp_path / "typo")]) == 2
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("profile", ["moe_vie", "siglip"])
+def test_model_card_usage_runs_and_pads_texts_to_the_full_length(
+    profile, tmp_path, siglip2_folder, tokenizer_folder
+):
+    """The SigLIP profile (upcycled models) pools the last position: a label padded only to the longest label of
+    the call would get an embedding that depends on the other labels."""
+    folder, exported = tmp_path / "model", tmp_path / "hub"
+    if profile == "moe_vie":
+        assert main(["create", "tiny-moe_vie", "--out", str(folder)]) == 0
+    else:
+        # The CLIP tokenizer by its own folder: beside a SigLIP2 config, AutoTokenizer would read it as Siglip2's.
+        assert main(["convert", "--to", "moe_vie", "--from", str(siglip2_folder), "--out", str(folder),
+                     "--tokenizer", str(tokenizer_folder), "--num-experts", "8", "--top-k", "3"]) == 0
+    assert main(["export", str(folder), "--out", str(exported), "--repo-id", "zoo/model"]) == 0
+    usage = re.search(r"```python\n(.*?)```", (exported / "README.md").read_text(), re.DOTALL).group(1)
+    namespace = {}
+    exec(usage.replace('"zoo/model"', repr(str(exported))), namespace)  # noqa: S102 (the card's own example)
+    assert namespace["model"].config.text_config.pooling_type == ("last" if profile == "siglip" else "eos")
+    assert namespace["inputs"]["input_ids"].shape == (2, namespace["processor"].tokenizer.model_max_length)

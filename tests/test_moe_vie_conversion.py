@@ -27,9 +27,12 @@ from moe_vie_reference import (
     reference_video_embeds,
 )
 from moezoo.configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, MoeVieConfig
+from moezoo.conversion import moe_vie_official, moe_vie_upcycle
 from moezoo.conversion.moe_vie_official import convert_official_checkpoint, infer_official_config
 from moezoo.conversion.moe_vie_upcycle import upcycle_siglip_checkpoint
 from moezoo.modeling.moe.router import TopKRouter
+from moezoo.processors.build import make_moe_vie_processor
+from moezoo.processors.tiny_tokenizers import build_tiny_clip_tokenizer
 
 
 # --- official checkpoints ---------------------------------------------------------------------------------------
@@ -226,6 +229,26 @@ def test_unreadable_files_fail_clearly(official, tmp_path):
         convert_official_checkpoint(two)
 
 
+def test_the_official_converter_refuses_a_tokenizer_that_is_not_the_models(official, tmp_path):
+    """transformers returns an empty tokenizer instead of raising when the files cannot be found (offline, or a
+    mistyped --tokenizer); saved next to the model it would turn every text into end-of-text tokens."""
+    source = save_checkpoint(tmp_path / "official", official, official_model_config())
+    (tmp_path / "typo").mkdir()  # no tokenizer files in it
+    with pytest.raises(FileNotFoundError, match=r"vocabulary of \d+ tokens but the text tower has 99 .*--tokenizer"):
+        moe_vie_official.convert(source, tokenizer=str(tmp_path / "typo"))
+    build_tiny_clip_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    assert len(moe_vie_official.convert(source, tokenizer=str(tmp_path / "tokenizer")).processor.tokenizer) == 99
+
+
+@pytest.mark.parametrize("text_config,message", [
+    (dict(vocab_size=128, bos_token_id=97, eos_token_id=98), "vocabulary of 99 tokens but the text tower has 128"),
+    (dict(vocab_size=99, bos_token_id=97, eos_token_id=96), "ends texts with token 98 .* pools at eos_token_id=96"),
+])
+def test_a_processor_is_never_built_with_a_tokenizer_that_does_not_fit_the_text_tower(text_config, message):
+    with pytest.raises(FileNotFoundError, match=message):
+        make_moe_vie_processor(MoeVieConfig(text_config=text_config), tokenizer=build_tiny_clip_tokenizer())
+
+
 # --- upcycling SigLIP / SigLIP2 ----------------------------------------------------------------------------------
 
 # The tiny SigLIP2 of spec §5.3 (3 vision blocks, so that two are upcycled).
@@ -338,6 +361,9 @@ def test_upcycling_a_saved_folder(siglip2, tmp_path):
     model, report = upcycle_siglip_checkpoint(tmp_path, num_experts=16, top_k=3)
     assert report["source"] == str(tmp_path) and report["max_abs_diff"] <= 1e-5
     assert model.config.vision_config.n_routed_experts == 15 and model.config.loss_type == "sigmoid"
+    # the folder has no tokenizer files: transformers' empty stand-in must not be taken for the source's tokenizer
+    with pytest.raises(FileNotFoundError, match=r"vocabulary of \d+ tokens but the text tower has 128 .*--tokenizer"):
+        moe_vie_upcycle.convert(tmp_path, num_experts=16, top_k=3)
 
 
 @pytest.mark.parametrize("options,message", [

@@ -118,6 +118,14 @@ def test_tiny_config_round_trips_and_describes_the_moe_layer():
         (MoeVieConfig, {"loss_type": "hinge"}, "loss_type"),
         (MoeVieConfig, {"projection_dim": 0}, "projection_dim"),
         (MoeVieConfig, {"max_logit_scale": -1.0}, "max_logit_scale"),
+        (MoeVieConfig, {"logit_scale_init_value": float("nan")}, "logit_scale_init_value"),
+        (MoeVieConfig, {"logit_bias_init_value": float("inf")}, "logit_bias_init_value"),
+        # a string such as "false" is truthy: every boolean field must be a bool
+        (MoeVieConfig, {"text_projection_bias": "false"}, "text_projection_bias"),
+        (MoeVieVisionConfig, {"use_pre_layernorm": "false"}, "use_pre_layernorm"),
+        (MoeVieVisionConfig, {"rope_interleaved": "false"}, "rope_interleaved"),
+        (MoeVieVisionConfig, {"norm_topk_prob": None}, "norm_topk_prob"),
+        (MoeVieTextConfig, {"is_causal": 0}, "is_causal"),
     ],
 )
 def test_invalid_config_names_the_field(config_class, changes, field):
@@ -229,6 +237,25 @@ def test_missing_pixel_attention_mask_is_derived_from_spatial_shapes():
         model.get_image_features(torch.randn(2, 3, 16, 16), spatial_shapes=inputs["spatial_shapes"])
 
 
+@pytest.mark.parametrize(
+    "spatial_shapes,pixel_attention_mask,message",
+    [
+        ([[3, 5]], None, r"`spatial_shapes` \(batch, 2\).*for a batch of 2; got \(1, 2\)"),  # would broadcast
+        ([[5, 5], [4, 4]], None, r"rows \* cols <= 16"),  # 25 patches claimed in 16 slots
+        ([[0, 4], [4, 4]], None, r"rows, cols >= 1"),
+        ([[4, 4], [4, 4]], torch.arange(16) < torch.tensor([[15], [16]]), r"marks \[15, 16\] slots"),
+        ([[3, 5], [4, 4]], torch.ones(2, 15), r"pixel_attention_mask must be \(batch, num_patches\)"),
+    ],
+)
+def test_spatial_shapes_that_do_not_describe_the_pixel_values_are_rejected(
+    spatial_shapes, pixel_attention_mask, message
+):
+    model = tiny_model()
+    pixel_values = naflex_batch([(3, 5), (4, 4)])["pixel_values"]  # (2, 16, 48)
+    with pytest.raises(ValueError, match=message):
+        model.get_image_features(pixel_values, pixel_attention_mask, torch.tensor(spatial_shapes))
+
+
 # --- video ---------------------------------------------------------------------------------------------------------
 
 
@@ -261,6 +288,8 @@ def test_video_of_identical_frames_equals_the_image():
         model.get_video_features(image["pixel_values"][:, None].repeat(1, 2, 1, 1),
                                  video_spatial_shapes=image["spatial_shapes"],
                                  padding_mask_videos=torch.tensor([[0, 0]]))
+    with pytest.raises(ValueError, match=r"`video_spatial_shapes`.*rows \* cols <= 16"):
+        model.get_video_features(image["pixel_values"][:, None], video_spatial_shapes=torch.tensor([[5, 4]]))
 
 
 # --- text ------------------------------------------------------------------------------------------------------------
@@ -323,6 +352,16 @@ def test_sigmoid_loss_is_siglips():
     ) / n
     assert torch.allclose(out.logits_per_text, logits, atol=1e-5)
     assert out.loss.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_contrastive_loss_needs_one_text_per_image():
+    model = tiny_model()
+    images = naflex_batch([(3, 5), (4, 4)])
+    with torch.no_grad():
+        for num_texts in (3, 1):
+            with pytest.raises(ValueError, match=f"one text per image .* got {num_texts} texts and 2 images"):
+                model(**images, **texts([5] * num_texts), return_loss=True)
+        assert model(**images, **texts([5] * 3)).logits_per_image.shape == (2, 3)  # fine without the loss
 
 
 def test_router_z_loss_is_added_to_the_contrastive_loss():

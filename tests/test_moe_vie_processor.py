@@ -327,6 +327,8 @@ def test_save_pretrained_round_trip_including_remote_code_without_moezoo(tokeniz
         (np.zeros((3, 20, 4), np.uint8), {}, "ambiguous"),
         (np.zeros((20, 20, 3), np.uint8), {"input_data_format": "channels_first"}, "has 20 channels"),
         ([np.zeros((20, 20, 3), np.uint8), np.zeros((20, 20), np.uint8)], {}, "Add a channel axis"),
+        (np.zeros((20, 20), np.uint8), {}, "Add a channel axis"),
+        ([torch.zeros(20, 20), np.zeros((20, 20, 3), np.uint8)], {}, "Add a channel axis"),
         (np.zeros((20, 20, 3), np.uint8), {"size": 2}, "smaller than one 4x4 patch"),
         (np.zeros((2, 9, 3), np.uint8), {"do_resize": False}, "smaller than one 4x4 patch"),
         (np.zeros((40, 40, 3), np.uint8), {"do_resize": False, "resize_mode": "naflex", "max_num_patches": 16}, "100 patches"),

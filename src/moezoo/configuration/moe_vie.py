@@ -125,6 +125,7 @@ class MoeVieVisionConfig(PreTrainedConfig):
         )
 
     def validate_fields(self) -> None:
+        _require_bools(self)
         _require_positive_ints(
             self, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
             "image_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
@@ -211,6 +212,7 @@ class MoeVieTextConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_fields(self) -> None:
+        _require_bools(self)
         _require_positive_ints(
             self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings",
@@ -269,9 +271,11 @@ class MoeVieConfig(PreTrainedConfig):
         return self.projection_dim if self.projection_dim is not None else self.vision_config.hidden_size
 
     def validate_fields(self) -> None:
+        _require_bools(self)
         if self.projection_dim is not None:
             _require_positive_ints(self, "projection_dim")
         _require_choice(self, "loss_type", ("softmax", "sigmoid"))
+        _require_finite(self, "logit_scale_init_value", "logit_bias_init_value")
         if self.max_logit_scale is not None:
             _require_positive(self, "max_logit_scale")
         _require_non_negative(self, "initializer_range", "initializer_factor")
@@ -290,6 +294,22 @@ def _is_non_negative_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require_bools(config) -> None:
+    """Every field the class declares `bool` must be one: a string such as "false" (from a hand-edited config) is
+    truthy and would silently switch the option on."""
+    for name, declared_type in type(config).__annotations__.items():
+        value = getattr(config, name)
+        if declared_type is bool and not isinstance(value, bool):
+            raise ValueError(f"{type(config).__name__}.{name} must be True or False, got {value!r}")
+
+
+def _require_finite(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not _is_number(value):
+            raise ValueError(f"{type(config).__name__}.{name} must be a finite number, got {value!r}")
 
 
 def _require_positive_ints(config, *names: str) -> None:

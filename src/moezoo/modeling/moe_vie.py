@@ -132,6 +132,41 @@ def patch_grid_positions(spatial_shapes: torch.LongTensor, num_patches: int) -> 
     return slots // cols, slots % cols, valid
 
 
+def check_spatial_shapes(
+    spatial_shapes: torch.LongTensor | None,
+    batch_size: int,
+    num_patches: int,
+    pixel_attention_mask: torch.Tensor | None = None,
+    name: str = "spatial_shapes",
+) -> None:
+    """Raise unless `spatial_shapes` holds the (rows, cols) patch grid of each of `batch_size` images in
+    `num_patches` slots, and agrees with `pixel_attention_mask` if given. A wrong grid would otherwise broadcast,
+    or place RoPE angles and padding wrongly, and give wrong embeddings without an error."""
+    if spatial_shapes is None or tuple(spatial_shapes.shape) != (batch_size, 2):
+        raise ValueError(
+            f"MoE-ViE needs `{name}` (batch, 2) = (rows, cols) of each image's patch grid, as its image processor "
+            f"returns them, for a batch of {batch_size}; got "
+            f"{None if spatial_shapes is None else tuple(spatial_shapes.shape)}"
+        )
+    torch_compilable_check(
+        ((spatial_shapes >= 1).all(-1) & (spatial_shapes.prod(-1) <= num_patches)).all(),
+        lambda: f"every grid of `{name}` must have rows, cols >= 1 and rows * cols <= {num_patches}, the patch "
+        f"slots of the pixel values; got {spatial_shapes.tolist()}",
+    )
+    if pixel_attention_mask is None:
+        return
+    if tuple(pixel_attention_mask.shape) != (batch_size, num_patches):
+        raise ValueError(
+            f"pixel_attention_mask must be (batch, num_patches) = {(batch_size, num_patches)}, got "
+            f"{tuple(pixel_attention_mask.shape)}"
+        )
+    torch_compilable_check(
+        (pixel_attention_mask.bool() == patch_grid_positions(spatial_shapes, num_patches)[2]).all(),
+        lambda: f"pixel_attention_mask must mark exactly the first rows * cols patch slots of each image, as `{name}` "
+        f"{spatial_shapes.tolist()} says; it marks {pixel_attention_mask.bool().sum(-1).tolist()} slots",
+    )
+
+
 class MoeVieVisionRotaryEmbedding(nn.Module):
     """2D RoPE angles from each image's patch grid (spec §2.3, item 2).
 
@@ -182,8 +217,6 @@ class MoeVieVisionEmbeddings(nn.Module):
 
     def __init__(self, config: MoeVieVisionConfig):
         super().__init__()
-        self.patch_size = config.patch_size
-        self.num_channels = config.num_channels
         self.patch_embedding = nn.Linear(
             config.num_channels * config.patch_size**2, config.hidden_size, bias=config.patch_embedding_bias
         )
@@ -193,12 +226,6 @@ class MoeVieVisionEmbeddings(nn.Module):
             self.position_embedding = nn.Embedding(config.num_patches, config.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor, spatial_shapes: torch.LongTensor) -> torch.Tensor:
-        patch_dim = self.num_channels * self.patch_size**2
-        if pixel_values.ndim != 3 or pixel_values.shape[-1] != patch_dim:
-            raise ValueError(
-                f"pixel_values must be pre-patchified (batch, num_patches, patch_size**2 * num_channels = {patch_dim}) "
-                f"in (py, px, channel) order, got shape {tuple(pixel_values.shape)}"
-            )
         embeddings = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         if self.position_embedding is not None:
             side = self.position_embedding_size
@@ -474,12 +501,14 @@ class MoeVieVisionModel(MoeViePreTrainedModel):
         spatial_shapes: torch.LongTensor | None = None,  # (B, 2): rows, cols
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeVieVisionModelOutput:
-        if spatial_shapes is None:
+        patch_dim = self.config.num_channels * self.config.patch_size**2
+        if pixel_values.ndim != 3 or pixel_values.shape[-1] != patch_dim:
             raise ValueError(
-                "MoE-ViE needs `spatial_shapes` (batch, 2) = (rows, cols) of each image's patch grid, as its image "
-                "processor returns them"
+                f"pixel_values must be pre-patchified (batch, num_patches, patch_size**2 * num_channels = {patch_dim}) "
+                f"in (py, px, channel) order, got shape {tuple(pixel_values.shape)}"
             )
-        num_patches = pixel_values.shape[1]
+        batch_size, num_patches = pixel_values.shape[:2]
+        check_spatial_shapes(spatial_shapes, batch_size, num_patches, pixel_attention_mask)
         if pixel_attention_mask is None:
             pixel_attention_mask = patch_grid_positions(spatial_shapes, num_patches)[2]
         pixel_attention_mask = pixel_attention_mask.bool()
@@ -636,12 +665,9 @@ class MoeVieModel(MoeViePreTrainedModel):
         """Video embeddings (spec §2.3 item 8, §4): every real frame goes through the vision tower on its own (no
         temporal modelling), the pooled features are averaged over the real frames, then projected. Padded frames
         are never computed."""
-        batch_size, num_frames = pixel_values_videos.shape[:2]
-        if video_spatial_shapes is None or video_spatial_shapes.shape != (batch_size, 2):
-            raise ValueError(
-                f"video_spatial_shapes must be (batch, 2) = (rows, cols) of each video's frames, got "
-                f"{None if video_spatial_shapes is None else tuple(video_spatial_shapes.shape)}"
-            )
+        batch_size, num_frames, num_patches = pixel_values_videos.shape[:3]
+        # Each frame's pixel_attention_mask is checked against its grid by the vision tower.
+        check_spatial_shapes(video_spatial_shapes, batch_size, num_patches, name="video_spatial_shapes")
         if padding_mask_videos is None:
             padding_mask_videos = pixel_values_videos.new_ones(batch_size, num_frames, dtype=torch.bool)
         real = padding_mask_videos.bool()
@@ -698,12 +724,13 @@ class MoeVieModel(MoeViePreTrainedModel):
         """Texts against images (`pixel_values`, ...) or against videos (`pixel_values_videos`, ...)."""
         if (pixel_values is None) == (pixel_values_videos is None):
             raise ValueError("pass either images (pixel_values, ...) or videos (pixel_values_videos, ...), not both")
+        is_video = pixel_values_videos is not None
         vision_config = self.config.vision_config
         use_aux_loss = bool(return_loss) and vision_config.router_aux_loss_type != "none"
         if output_router_logits is None:
             output_router_logits = vision_config.output_router_logits
         vision_kwargs = kwargs | {"output_router_logits": output_router_logits or use_aux_loss}
-        if pixel_values_videos is not None:
+        if is_video:
             vision_outputs = self.get_video_features(
                 pixel_values_videos, video_pixel_attention_mask, video_spatial_shapes, padding_mask_videos,
                 **vision_kwargs,
@@ -727,12 +754,18 @@ class MoeVieModel(MoeViePreTrainedModel):
 
         loss = aux_loss = None
         if return_loss:
+            num_texts, num_visuals = logits_per_text.shape
+            if num_texts != num_visuals:
+                visual = "video" if is_video else "image"
+                raise ValueError(
+                    f"return_loss=True: the contrastive loss needs one text per {visual} (the matching pairs are the "
+                    f"diagonal), got {num_texts} texts and {num_visuals} {visual}s"
+                )
             loss = CONTRASTIVE_LOSSES[self.config.loss_type](logits_per_text)
             if use_aux_loss:
                 aux_loss = self.router_aux_loss(vision_outputs.router_logits)
                 loss = loss + vision_config.router_aux_loss_coef * aux_loss.to(loss.device)
 
-        is_video = pixel_values_videos is not None
         return MoeVieOutput(
             loss=loss,
             logits_per_image=None if is_video else logits_per_text.t(),

@@ -32,6 +32,7 @@ from transformers.image_utils import (
     PILImageResampling,
     SizeDict,
     is_pil_image,
+    is_valid_image,
 )
 from transformers.models.siglip2.image_processing_pil_siglip2 import (
     convert_image_to_patches,
@@ -79,6 +80,13 @@ def check_resize_mode(resize_mode: str) -> None:
         raise ValueError(f"Unknown resize_mode {resize_mode!r}: use one of {', '.join(map(repr, RESIZE_MODES))}.")
 
 
+def missing_channel_axis_error(shape: tuple[int, ...]) -> ValueError:
+    return ValueError(
+        f"Expected an image of shape (height, width, channels) or (channels, height, width), got shape "
+        f"{tuple(shape)}. Add a channel axis to greyscale arrays (e.g. `image[..., None]`)."
+    )
+
+
 def infer_channel_layout(shape: tuple[int, ...], input_data_format: str | ChannelDimension | None) -> ChannelDimension:
     """
     Return the channel layout of a numpy or torch image of shape `shape`, checking its channel count.
@@ -87,10 +95,7 @@ def infer_channel_layout(shape: tuple[int, ...], input_data_format: str | Channe
     message when neither can; both cases are user errors that deserve an explanation, so they raise here.
     """
     if len(shape) != 3:
-        raise ValueError(
-            f"Expected an image of shape (height, width, channels) or (channels, height, width), got shape "
-            f"{tuple(shape)}. Add a channel axis to greyscale arrays (e.g. `image[..., None]`)."
-        )
+        raise missing_channel_axis_error(shape)
     if input_data_format is not None:
         layout = ChannelDimension(input_data_format)
         num_channels = shape[0] if layout == ChannelDimension.FIRST else shape[-1]
@@ -202,6 +207,11 @@ class MoeVieImageProcessor(PilBackend):
         check_resize_mode(self.resize_mode)
 
     def _prepare_images_structure(self, images: ImageInput, expected_ndims: int = 3) -> list:
+        # transformers rejects a 2-D (greyscale) array with "Could not make a flat list of images" before
+        # `process_image` could say what is missing.
+        for image in images if isinstance(images, (list, tuple)) else [images]:
+            if is_valid_image(image) and not is_pil_image(image) and image.ndim == 2:
+                raise missing_channel_axis_error(image.shape)
         images = super()._prepare_images_structure(images, expected_ndims=expected_ndims)
         # An empty list passes transformers' structure check and would fail later with an obscure stacking error.
         if len(images) == 0:
