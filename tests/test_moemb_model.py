@@ -101,6 +101,9 @@ def tiny_qwen3_5_moe():
         ({"vision_start_token_id": END}, "vision_start_token_id"),
         ({"vision_config": dict(TINY_MOEMB["vision_config"], num_heads=3)}, "num_heads"),
         ({"vision_config": dict(TINY_MOEMB["vision_config"], patch_size=0)}, "patch_size"),
+        ({"vision_config": dict(TINY_MOEMB["vision_config"], depth=-1)}, "vision_config.depth"),
+        ({"text_config": dict(TINY_MOEMB["text_config"], pad_token_id=500)}, "pad_token_id"),
+        ({"emb_token_id": TINY_MOEMB["text_config"]["pad_token_id"]}, "equals text_config.pad_token_id"),
         ({"text_config": dict(TINY_MOEMB["text_config"], rope_parameters=dict(
             TINY_MOEMB["text_config"]["rope_parameters"], mrope_section=[2, 2, 2]))}, "mrope_section"),
         ({"logit_scale": 0.0}, "logit_scale"),

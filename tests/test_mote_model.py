@@ -701,6 +701,27 @@ def test_every_load_in_the_exported_model_card_trusts_remote_code(preset, tmp_pa
     assert loads and all("trust_remote_code=True" in arguments for arguments in loads), loads
 
 
+@pytest.mark.parametrize("construction,claim", [
+    (None, "every route reproduces the base model"),  # folders converted before the construction was recorded
+    ("copy", "every route reproduces the base model"),
+    ("copy_half", "each weighted 0.5, so every route reproduces the base model"),
+    ("split", "no single route equals it"),
+    ("paper_literal", "every route computes twice the dense network's output"),
+])
+def test_the_card_says_what_the_construction_gives_right_after_conversion(construction, claim):
+    from moezoo.hub.cards import render_model_card
+    from moezoo.registry import get_architecture
+
+    provenance = {"source": "meta-llama/Llama-3.2-1B-Instruct", "converter": "llama-to-mote", "max_abs_diff": 0.0}
+    if construction:
+        provenance["construction"] = construction
+    parameters = {"total": 1000, "active": 600}
+    card = render_model_card(get_architecture("llama_mote"), provenance, parameters, repo_id="zoo/tiny")
+    provenance_section = " ".join(card.text.split("## Provenance")[1].split())
+    assert claim in provenance_section
+    assert f"construction `{construction or 'copy'}`" in provenance_section
+
+
 def test_flattened_code_saves_and_loads_with_trust_remote_code_without_moezoo(tmp_path):
     flatten_modules(["moezoo.configuration.mote", "moezoo.modeling.mote"], tmp_path / "mote_hub")
     (tmp_path / "mote_hub" / "__init__.py").write_text("")

@@ -180,6 +180,17 @@ class MoEmbConfig(PreTrainedConfig):
                 f"MoEmbConfig.{' and MoEmbConfig.'.join(shared)} share a token id: the image and video placeholders, "
                 "the vision start/end markers and <emb> each need a token of their own"
             )
+        pad_token_id = text.pad_token_id
+        if pad_token_id is not None and (not _is_non_negative_int(pad_token_id) or pad_token_id >= text.vocab_size):
+            raise ValueError(
+                f"MoEmbConfig.text_config.pad_token_id={pad_token_id!r} must be a token id below "
+                f"text_config.vocab_size={text.vocab_size}"
+            )
+        if pad_token_id is not None and pad_token_id == self.emb_token_id:
+            raise ValueError(
+                f"MoEmbConfig.emb_token_id={self.emb_token_id} equals text_config.pad_token_id: the embedding is read "
+                "at the last <emb> token, which padding would then look like"
+            )
         if not isinstance(self.emb_token, str) or not self.emb_token:
             raise ValueError(f"MoEmbConfig.emb_token must be a non-empty string, got {self.emb_token!r}")
         for name in ("normalize_embeddings", "router_trainable", "use_shared_expert", "router_bias"):
@@ -201,7 +212,7 @@ class MoEmbConfig(PreTrainedConfig):
 
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config
-        for name in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_heads"):
+        for name in ("depth", "patch_size", "temporal_patch_size", "spatial_merge_size", "num_heads"):
             if not _is_positive_int(getattr(vision, name)):
                 raise ValueError(
                     f"MoEmbConfig.vision_config.{name} must be a positive integer, got {getattr(vision, name)!r}"
