@@ -240,6 +240,16 @@ def test_missing_experts_are_named(moe_source, fused_source, tmp_path):
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 
+def test_a_truncated_source_file_is_named(moe_source, tmp_path):
+    """A partly downloaded shard: an error naming the file, not the reader's, which does not say which file."""
+    source = copy_source(moe_source[0], tmp_path / "truncated")
+    weights = source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{weights} is not a complete safetensors file .*download or save it again"):
+        convert_qwen3_5_checkpoint(source, tmp_path / "out", emb_token_id=EMB)
+    assert not (tmp_path / "out").exists()
+
+
 def test_sources_of_other_types_and_wrong_variants_are_refused(moe_source, dense_source, tmp_path):
     other = copy_source(moe_source[0], tmp_path / "llama")
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))

@@ -8,9 +8,14 @@ source model (`provenance["max_abs_diff"]`), which the model card reports.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
@@ -54,6 +59,24 @@ def source_name(source: str | Path) -> str:
     if len(parts) >= 3 and parts[-3].startswith("models--") and parts[-2] == "snapshots":
         return parts[-3].removeprefix("models--").replace("--", "/")
     return str(source)
+
+
+@contextmanager
+def open_safetensors(path: str | Path) -> Iterator:
+    """`safetensors.safe_open(path)`, failing with an error that names the file when it is corrupt or incomplete (a
+    partial download): the reader's own error does not say which file."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a complete safetensors file ({error}): download or save it again") from error
+    with handle as tensors:
+        yield tensors
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (see `open_safetensors`)."""
+    with open_safetensors(path) as tensors:
+        return {key: tensors.get_tensor(key) for key in tensors.keys()}
 
 
 def source_kind(path: Path) -> str:

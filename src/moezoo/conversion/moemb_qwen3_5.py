@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3_5Model, Qwen3_5MoeModel
 from transformers.utils.hub import convert_file_size_to_int
@@ -44,7 +43,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbConfig
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
-from .common import ConversionResult
+from .common import ConversionResult, open_safetensors
 
 
 VARIANTS = ("native", "upcycled", "modality")
@@ -210,7 +209,7 @@ class _SourceCheckpoint:
         self.files = [folder / name for name in files]
         self.shapes: dict[str, tuple[int, ...]] = {}
         for path in self.files:
-            with safe_open(path, framework="pt") as shard:
+            with open_safetensors(path) as shard:
                 for key in shard.keys():
                     self.shapes[key] = tuple(shard.get_slice(key).get_shape())
         self.keys = list(self.shapes)
@@ -520,7 +519,7 @@ def _stream_groups(checkpoint: _SourceCheckpoint, groups: list[_Group]) -> Itera
     group_of = {key: group for group in groups for key in group.sources}
     pending: dict[int, dict[str, torch.Tensor]] = {}
     for path in checkpoint.files:
-        with safe_open(path, framework="pt") as shard:
+        with open_safetensors(path) as shard:
             for key in shard.keys():
                 group = group_of.get(key)
                 if group is None:  # dropped

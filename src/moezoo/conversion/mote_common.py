@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
-from .common import source_name
+from .common import open_safetensors, source_name
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -192,7 +191,7 @@ class SafetensorsCheckpoint:
     def tensors(self) -> Iterator[Iterator[tuple[str, Callable[[], torch.Tensor]]]]:
         """Yields `(key, load)` for every tensor, file by file; `load()` reads that tensor only."""
         with ExitStack() as stack:
-            handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in self.files]
+            handles = [stack.enter_context(open_safetensors(path)) for path in self.files]
             yield ((key, _loader(handle, key)) for handle in handles for key in handle.keys())
 
 

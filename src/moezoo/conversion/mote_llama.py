@@ -17,13 +17,12 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
-from .common import ConversionResult, source_name
+from .common import ConversionResult, load_safetensors, source_name
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -235,7 +234,7 @@ def _read_projector_checkpoint(source: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{source} holds none of {', '.join(PROJECTOR_FILES)}: not a VideoLLM-online checkpoint")
         source = files[0]
     if source.suffix == ".safetensors":
-        return load_file(source)
+        return load_safetensors(source)
     return torch.load(source, map_location="cpu", weights_only=True)
 
 
