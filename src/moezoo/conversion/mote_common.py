@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
-from .common import open_safetensors, source_name
+from .common import open_safetensors
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -391,9 +391,9 @@ def conversion_report(model, folder: Path, source_model_type: str, construction:
     the largest logits difference of every route to the source model (measured `compared_on`; None unverified)."""
     text_config = model.config.get_text_config()
     return {
-        "source": source_name(folder),
+        "source": str(folder),  # save_conversion names a Hub source by its repo id
         "source_model_type": source_model_type,
-        "base_model": source_name(folder),
+        "base_model": str(folder),
         "license": source_license(folder),
         "construction": construction,
         "mote_init": text_config.mote_init,

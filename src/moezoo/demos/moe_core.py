@@ -127,10 +127,11 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     console.print(f"wrote {heatmap} and {curve}")
 
     bench_tokens = [64, 512] if quick else [64, 2048]
-    case = TARGET_CASE
-    console.print(f"benchmark: one MoE layer ({case['num_experts']} experts, top-{case['top_k']}, hidden "
-                  f"{case['hidden']}, expert width {case['expert_width']}), tokens {bench_tokens}")
-    rows, peak = run_moe_layer_bench(tokens=bench_tokens, seconds_per_case=2.0 if quick else 5.0, max_rounds=10, **case)
+    shape = TARGET_CASE
+    console.print(f"benchmark: one MoE layer ({shape['num_experts']} experts, top-{shape['top_k']}, hidden "
+                  f"{shape['hidden']}, expert width {shape['expert_width']}), tokens {bench_tokens}")
+    rows, peak = run_moe_layer_bench(tokens=bench_tokens, seconds_per_case=2.0 if quick else 5.0, max_rounds=10,
+                                     **TARGET_CASE)
     print_moe_layer_table(rows, peak, "experts implementations on identical weights")
-    print_target_checks(check_targets(rows, **case))
+    print_target_checks(check_targets(rows, **TARGET_CASE))
     return {"specialization": stats.specialization(), "held_out_mse": held_out_mse, "heatmap": heatmap}

@@ -570,7 +570,8 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
     check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
-    if needs_grad(up_weight, up_bias, down_weight, down_bias, top_k_weights):
+    grad_needed = needs_grad(hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias)
+    if grad_needed:
         # Tensors made under torch.inference_mode() (cached features) cannot be saved for the backward pass.
         hidden_states, top_k_index, top_k_weights = (
             tensor.clone() if tensor.is_inference() else tensor for tensor in (hidden_states, top_k_index, top_k_weights)
@@ -580,12 +581,12 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     sorted_pairs, experts_hit = _sort_pairs(top_k_index, down_weight.shape[0])
     if _runs_natively(module, hidden_states, up_weight, up_bias, down_weight, num_pairs, experts_hit):
         native_inputs = (hidden_states, top_k_index, top_k_weights, up_weight, down_weight, sorted_pairs)
-        if needs_grad(*inputs):
+        if grad_needed:
             return _NativeSwiGLUExperts.apply(*native_inputs, module)
         projected = _WORKSPACE.address("projected", num_pairs * up_weight.shape[-2], hidden_states)
         return _native_forward(*native_inputs, projected)[0]
     segments = _Segments(sorted_pairs, num_pairs)
-    if needs_grad(*inputs):
+    if grad_needed:
         return _SortedExperts.apply(*inputs, module, segments)
     up_features = up_weight.shape[-1] if module.is_transposed else up_weight.shape[-2]
     projected = _WORKSPACE.get("projected", (num_pairs, up_features), hidden_states)

@@ -241,6 +241,18 @@ def starts_a_sequence(cache: Cache | None) -> bool:
     return cache is None or cache.get_seq_length() == 0
 
 
+def require_media_for_placeholders(input_ids, cache, token_id: int, kind: str, missing: str, inputs: str) -> None:
+    """Raise when a sequence starts with `kind` placeholders in `input_ids` but no media to put in their place: the
+    placeholder's own embedding would silently stand in for it. Later decoding steps carry no media."""
+    if input_ids is None or not starts_a_sequence(cache):
+        return
+    placeholders = int((input_ids == token_id).sum())
+    if placeholders:
+        raise ValueError(
+            f"the text has {placeholders} {kind} placeholders ({kind}_token_id={token_id}) but {missing}: pass {inputs}"
+        )
+
+
 def masked_mean(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """(B, S, D) -> (B, D) fp32 mean over the positions where `mask` (B, S) is set (all positions if None)."""
     if mask is None:
@@ -903,15 +915,11 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
             video_embeds = self.multi_modal_projector(frame_tokens.to(inputs_embeds.device, projector_dtype))
             mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(mask, video_embeds.to(inputs_embeds.dtype))
-        elif input_ids is not None and starts_a_sequence(cache):
-            # Otherwise the <v> embedding would silently stand in for every frame.
-            placeholders = int((input_ids == self.config.video_token_id).sum())
-            if placeholders:
-                raise ValueError(
-                    f"the text has {placeholders} video placeholders (video_token_id={self.config.video_token_id}) "
-                    "but no frames were given: pass the processor's pixel_values_videos and video_num_frames (or "
-                    "mm_encoder_outputs['video'])"
-                )
+        else:
+            require_media_for_placeholders(
+                input_ids, cache, self.config.video_token_id, "video", "no frames were given",
+                "the processor's pixel_values_videos and video_num_frames (or mm_encoder_outputs['video'])",
+            )
         outputs = self.language_model(
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -1153,17 +1161,12 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
             video_embeds = video_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
             _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_features=video_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
-        no_media = mm_encoder_outputs.get("image") is None and mm_encoder_outputs.get("video") is None
-        if no_media and input_ids is not None and starts_a_sequence(cache):
-            # Otherwise the placeholder's embedding would silently stand in for the image (GLM-OCR marks video
-            # patches with the image token too).
-            placeholders = int((input_ids == self.config.image_token_id).sum())
-            if placeholders:
-                raise ValueError(
-                    f"the text has {placeholders} image placeholders (image_token_id={self.config.image_token_id}) "
-                    "but no image was given: pass the processor's pixel_values and image_grid_thw (or "
-                    "mm_encoder_outputs['image'])"
-                )
+        if mm_encoder_outputs.get("image") is None and mm_encoder_outputs.get("video") is None:
+            # GLM-OCR marks video patches with the image token too.
+            require_media_for_placeholders(
+                input_ids, cache, self.config.image_token_id, "image", "no image was given",
+                "the processor's pixel_values and image_grid_thw (or mm_encoder_outputs['image'])",
+            )
 
         if position_ids is None:
             position_ids = self.compute_3d_position_ids(

@@ -49,6 +49,8 @@ class TopKRouter(nn.Module):
             return None
         if self._counts is None:
             self._counts = torch.zeros(self.num_experts, dtype=torch.int64, device=self.weight.device)
+        elif self._counts.device != self.weight.device:  # the model moved since the last update
+            self._counts = self._counts.to(self.weight.device)
         return self._counts
 
     def reset_counts(self) -> None:
@@ -77,9 +79,7 @@ class TopKRouter(nn.Module):
         if self.e_score_correction_bias is not None and self.training and not is_recomputing():
             with torch.no_grad():
                 flat = top_k_index.reshape(-1)
-                counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-                counts.index_add_(0, flat, torch.ones_like(flat))
-                self._counts = counts if self._counts is None else self._counts.to(flat.device) + counts
+                self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
 
     @torch.no_grad()
