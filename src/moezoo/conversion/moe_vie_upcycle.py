@@ -368,7 +368,12 @@ def convert(source: Path, tokenizer: str | None = None, **options) -> Conversion
     (NaFlex for `siglip2`, a fixed square for `siglip`, bilinear as SigLIP)."""
     model, report = upcycle_siglip_checkpoint(source, **options)
     try:
-        text_tokenizer = AutoTokenizer.from_pretrained(tokenizer or source)
+        # SigLIP pools the last position of texts padded to the text tower's length (64), which the processor pads
+        # to (`padding="max_length"`); SigLIP2's Gemma tokenizer does not know that length (Siglip2Processor passes
+        # max_length=64 itself), so without it texts would not be padded and every text embedding would be wrong.
+        text_tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer or source, model_max_length=model.config.text_config.max_position_embeddings
+        )
     except (OSError, ValueError) as error:
         raise FileNotFoundError(
             f"no tokenizer in {tokenizer or source} ({error}); pass --tokenizer with the source model's tokenizer"
@@ -378,5 +383,4 @@ def convert(source: Path, tokenizer: str | None = None, **options) -> Conversion
     if report["source_model_type"] == "siglip2":
         image_options |= {"resize_mode": "naflex", "max_num_patches": vision_config.num_patches}
     processor = make_moe_vie_processor(model.config, tokenizer=text_tokenizer, **image_options)
-    processor.text_kwargs = {"padding": "max_length", "truncation": True}
     return ConversionResult(model, processor, report)

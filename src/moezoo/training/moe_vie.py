@@ -207,9 +207,14 @@ def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
 
 
 def with_lora(model: MoeVieModel, rank: int):
-    """LoRA on the attention projections of both towers and on the fused experts (PEFT `target_parameters`)."""
+    """LoRA on the attention projections of both towers' blocks and on the fused experts (PEFT `target_parameters`).
+
+    The blocks are named explicitly: a bare `out_proj` would also match the pooling head's `nn.MultiheadAttention`,
+    which reads `out_proj.weight` directly, so an adapter there would be counted as trainable but never used.
+    """
     config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"],
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+        target_modules=r".*\.encoder\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
     )
     return get_peft_model(model, config)
