@@ -285,6 +285,28 @@ def sample_routing_mask(config, attention_mask, labels, routing_mask) -> torch.T
     return prompt_mask(attention_mask, labels)
 
 
+def check_checkpointing(text_model) -> None:
+    """Refuse reentrant activation checkpointing while training a learned router (spec §2.5). Reentrant
+    checkpointing takes a decoder layer's positional input (the hidden states) as its only input and runs the
+    layer's first pass without gradients: the sample router's `route_weights`, a keyword argument of every layer,
+    would be back-propagated once per layer (a crash in the second layer's backward), and the token routers' logits,
+    recorded in that first pass for the load-balancing loss, would carry no gradient (their loss silently untrained).
+    Non-reentrant checkpointing, transformers' default, has neither problem."""
+    mode = text_model.config.mote_routing_mode
+    if mode not in LEARNED_ROUTING_MODES or not (text_model.gradient_checkpointing and text_model.training):
+        return
+    # `activation_checkpointing_enable` binds its options to `torch.utils.checkpoint.checkpoint` with a partial;
+    # torch's default without `use_reentrant` is the reentrant variant.
+    options = getattr(text_model._gradient_checkpointing_func, "keywords", None)
+    if torch.is_grad_enabled() and options is not None and options.get("use_reentrant", True):
+        raise ValueError(
+            f"routing mode {mode!r} cannot train its learned router under reentrant activation checkpointing (the "
+            "sample router's weights enter every checkpointed layer; the token routers' logits for the load-balancing "
+            "loss come from the pass without gradients): enable checkpointing with its default, "
+            "model.activation_checkpointing_enable(), or activation_checkpointing_kwargs={'use_reentrant': False}"
+        )
+
+
 def with_aux_loss(config, loss, aux_loss):
     """The LM loss plus the weighted load-balancing loss, when there are both."""
     if loss is None or aux_loss is None:
@@ -574,6 +596,7 @@ class MoteTextModelMixin:
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_checkpointing(self)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         # A cache that already holds tokens continues a sequence, whose routes were fixed at its prefill.
