@@ -570,6 +570,18 @@ def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
     check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
+    # The experts compute in their weights' dtype and answer in the input's, as transformers' grouped_mm does: the two
+    # differ under autocast (which does not reach the `out=` products and C kernels here), e.g. bf16 activations into
+    # fp32 experts, and in mixed-precision models. Both casts are autograd's, so gradients come back in each dtype.
+    output = _sorted_experts_forward(
+        module, hidden_states.to(up_weight.dtype), top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias
+    )
+    return output.to(hidden_states.dtype)
+
+
+def _sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight,
+                            down_bias):
+    """`sorted_experts_forward` for hidden states in the dtype of the experts' weights."""
     grad_needed = needs_grad(hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias)
     if grad_needed:
         # Tensors made under torch.inference_mode() (cached features) cannot be saved for the backward pass.

@@ -56,6 +56,16 @@ class TopKRouter(nn.Module):
     def reset_counts(self) -> None:
         self._counts = None
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` / `.half()` would round the balancing bias, whose ~1e-3 updates bf16 cannot hold
+        # (from_pretrained keeps it fp32 through `_keep_in_fp32_modules_strict`): it follows the model to another
+        # device but stays fp32, cast from its fp32 values rather than back from rounded ones.
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device, torch.float32)
+        return self
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) -> router_logits (T, E) fp32, top_k_weights (T, k) in the input dtype, top_k_index (T, k)."""
         router_logits = F.linear(

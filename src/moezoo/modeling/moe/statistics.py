@@ -38,7 +38,7 @@ class RoutingStatistics:
 
     def set_groups(self, group_ids: torch.Tensor | None) -> None:
         """Group id of every token of the next forward, shaped like its `attention_mask` (None: one group)."""
-        if group_ids is not None and (group_ids.min() < 0 or group_ids.max() >= self.num_groups):
+        if group_ids is not None and group_ids.numel() and (group_ids.min() < 0 or group_ids.max() >= self.num_groups):
             raise ValueError(
                 f"group ids must lie in [0, {self.num_groups}) for the groups {self.group_names}; got ids from "
                 f"{int(group_ids.min())} to {int(group_ids.max())}"
@@ -88,7 +88,10 @@ class RoutingStatistics:
 @contextmanager
 def record_routing(model: nn.Module, group_names: Sequence[str] | None = None):
     """Record routing statistics of every `SparseMoeBlock` in `model` while the context is open."""
-    blocks = {module: name for name, module in model.named_modules() if isinstance(module, SparseMoeBlock)}
+    # A block recorded on its own is the root module, whose name is "": it goes by its layer name instead.
+    blocks = {
+        module: name or module.layer_name for name, module in model.named_modules() if isinstance(module, SparseMoeBlock)
+    }
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no SparseMoeBlock to record routing statistics from")
     stats = RoutingStatistics(blocks, group_names)
@@ -118,9 +121,14 @@ def plot_routing_heatmap(stats: RoutingStatistics, path: str | Path, title: str 
         raise ValueError("no routing was recorded: run a forward pass inside record_routing() first")
     fractions = stats.fractions()
     layer_names = list(fractions)
-    grids = [torch.stack([fractions[name][group] for name in layer_names]).numpy() for group in range(stats.num_groups)]
-    vmax = max(float(grid.max()) for grid in grids) or 1.0
-    num_experts = grids[0].shape[1]
+    num_experts = max(layer.shape[1] for layer in fractions.values())
+    # Layers may have different expert counts: the experts a layer lacks are blank (NaN) cells at the end of its row.
+    grids = [torch.full((len(layer_names), num_experts), float("nan"), dtype=torch.float64) for _ in stats.group_names]
+    for row, name in enumerate(layer_names):
+        for group, grid in enumerate(grids):
+            grid[row, : fractions[name].shape[1]] = fractions[name][group]
+    grids = [grid.numpy() for grid in grids]
+    vmax = max(float(layer.max()) for layer in fractions.values()) or 1.0
     fig, axes = plt.subplots(
         1,
         stats.num_groups,
