@@ -14,7 +14,10 @@
   the paper's Megatron reading and the default for native MoE), one per group of consecutive experts (`grouped`), or
   one per expert (`per-expert`, what PEFT's `target_parameters` does, and the default for upcycled and modality
   experts, which must diverge); the `<emb>` embedding row trainable (PEFT `trainable_token_indices`); the router
-  frozen unless `--train-router` (or the config trains it). Adapters are merged into the saved model.
+  frozen unless `--train-router` (or the config trains it). Adapters are merged into the saved model. An unmerged
+  adapter (`save_pretrained` of `apply_lora`'s model, the Trainer's checkpoints) holds the expert adapters in
+  `expert_lora.safetensors` beside PEFT's files: reload it with `MoEmbLoraModel.from_pretrained(base, folder)`, as
+  `PeftModel.from_pretrained` would leave the experts unadapted.
 - **Recipe** (spec §7.1): AdamW (0.9, 0.98), weight decay 0.01, gradient clipping 1.0, 10 warmup steps, cosine decay
   to a tenth of the peak learning rate: 1e-4 (`--recipe stated`, the paper's headline) or 5e-5 (`tuned`, Fig. 6).
 
@@ -38,11 +41,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset, concatenate_datasets, load_dataset
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, set_seed
 
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
@@ -299,6 +303,7 @@ LORA_TARGETS = (
 )
 GDN_LORA_TARGETS = r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)"
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_LORA_FILE = "expert_lora.safetensors"
 
 
 @dataclass
@@ -325,8 +330,10 @@ class GroupedExpertLoRA(nn.Module):
             raise ValueError(f"expert LoRA groups must divide the {num_experts} experts, got {num_groups}")
         self.num_groups = num_groups
         self.scaling = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(num_groups, rank, in_features, dtype=weight.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(num_groups, out_features, rank, dtype=weight.dtype))
+        self.lora_A = nn.Parameter(torch.empty(num_groups, rank, in_features, dtype=weight.dtype, device=weight.device))
+        self.lora_B = nn.Parameter(
+            torch.zeros(num_groups, out_features, rank, dtype=weight.dtype, device=weight.device)
+        )
         for matrix in self.lora_A:
             nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
 
@@ -336,13 +343,74 @@ class GroupedExpertLoRA(nn.Module):
         return (weight.unflatten(0, (self.num_groups, -1)) + delta[:, None]).flatten(0, 1)
 
 
+def expert_adapters(model: nn.Module) -> dict[str, GroupedExpertLoRA]:
+    """The expert adapters of a model, by `<experts module>.<weight name>`."""
+    return {
+        f"{module_name}.{name}": module.parametrizations[name][0]
+        for module_name, module in model.named_modules()
+        if isinstance(module, SwiGLUExperts) and parametrize.is_parametrized(module)
+        for name in module.parametrizations
+    }
+
+
+def load_expert_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], alpha: int, trainable: bool) -> None:
+    """Set the expert adapters of `model` to `tensors` (`<experts module>.<weight name>.lora_A` / `.lora_B`),
+    registering them first on a model that has none (their rank and groups are the tensors' shapes)."""
+    adapters = expert_adapters(model)
+    saved = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    if adapters and sorted(adapters) != saved:
+        raise ValueError(
+            f"the saved expert adapters ({len(saved)}) are not those of the model ({len(adapters)}): the adapter was "
+            "trained with other --expert-lora options or on another model"
+        )
+    modules = dict(model.named_modules())
+    for key in saved:
+        if key not in adapters:
+            module_name, name = key.rsplit(".", 1)
+            module = modules.get(module_name)
+            if not isinstance(module, SwiGLUExperts) or name not in EXPERT_PARAMETERS:
+                raise ValueError(f"the saved expert adapter {key} names no expert weight of this model")
+            groups, rank, _ = tensors[f"{key}.lora_A"].shape
+            adapters[key] = GroupedExpertLoRA(getattr(module, name), rank, alpha, groups)
+            parametrize.register_parametrization(module, name, adapters[key])
+        adapters[key].load_state_dict({"lora_A": tensors[f"{key}.lora_A"], "lora_B": tensors[f"{key}.lora_B"]})
+        adapters[key].requires_grad_(trainable)
+
+
+class MoEmbLoraModel(PeftModel):
+    """PEFT's model of `apply_lora`, saving and loading the expert adapters too. They are parametrizations PEFT does
+    not know: `PeftModel.save_pretrained` leaves them out of the adapter (and so of the Trainer's checkpoints), and a
+    reloaded or resumed model would silently lose them. `save_pretrained` writes them to `expert_lora.safetensors`
+    beside PEFT's files; `load_adapter` (what `MoEmbLoraModel.from_pretrained` and the Trainer's
+    `resume_from_checkpoint` call) reads them back, onto a fresh base model too. One adapter ("default") at a time."""
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        tensors = {
+            f"{key}.{name}": parameter.detach().contiguous()
+            for key, adapter in expert_adapters(self.get_base_model()).items()
+            for name, parameter in adapter.named_parameters()
+        }
+        if tensors and is_main_process:
+            save_file(tensors, str(Path(save_directory) / EXPERT_LORA_FILE))
+
+    def load_adapter(self, model_id, adapter_name: str, is_trainable: bool = False, **kwargs):
+        result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+        path = Path(model_id) / EXPERT_LORA_FILE
+        if path.is_file():
+            tensors = load_file(str(path), device=str(self.get_base_model().device))
+            load_expert_adapters(self.get_base_model(), tensors, self.peft_config[adapter_name].lora_alpha,
+                                 is_trainable)  # fmt: skip
+        return result
+
+
 def expert_lora_mode(config, options: LoraOptions) -> str:
     """The routed experts' adapters: as asked, else shared for native MoE and per expert for upcycled and modality
     experts, which start as copies of one FFN and can only diverge with adapters of their own (spec A-11)."""
     return options.experts or ("shared" if config.moe_variant == "native" else "per-expert")
 
 
-def apply_lora(model: MoEmbForEmbedding, options: LoraOptions):
+def apply_lora(model: MoEmbForEmbedding, options: LoraOptions) -> MoEmbLoraModel:
     """The PEFT model of spec §7.2's recipe (see the module docstring); only adapters, the `<emb>` row and, when
     trained, the routers take gradients."""
     config = model.config
@@ -361,7 +429,7 @@ def apply_lora(model: MoEmbForEmbedding, options: LoraOptions):
         target_modules=LORA_TARGETS.format(gdn=GDN_LORA_TARGETS if options.target_gdn else ""),
         trainable_token_indices={"embed_tokens": [config.emb_token_id]} if config.pooling == "emb_token" else None,
     )
-    peft_model = get_peft_model(model, lora_config)
+    peft_model = MoEmbLoraModel(model, lora_config)
     # Registered after PEFT, which would otherwise take these `lora_` parameters for its own when merging.
     if experts != "none":
         groups = {"shared": 1, "grouped": options.expert_groups, "per-expert": config.text_config.num_experts}[experts]
@@ -456,6 +524,8 @@ def train_moemb(
     processor = MoEmbProcessor.from_pretrained(model_dir)
     if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
         raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
+    # Before the adapters' random initialisation: the Trainer seeds only what comes after it.
+    set_seed(options.seed)
     peft_model = apply_lora(model, options.lora)
     trainable = count_trainable(peft_model)
     learning_rate = options.learning_rate or RECIPES[options.recipe]
