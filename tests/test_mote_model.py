@@ -301,6 +301,9 @@ def test_videollm_frames_become_ten_tokens_each(videollm):
     inputs["input_ids"][0, inputs["input_ids"][0].tolist().index(120)] = 5  # one placeholder fewer than tokens
     with pytest.raises(ValueError, match="video placeholders"):
         model(**inputs, task_ids=routes(0, 0))
+    text_only = torch.full((2, 3), 5)  # a continued generation's next tokens, with the clip's frames passed again
+    with pytest.raises(ValueError, match="0 video placeholders .* frames already in the KV cache"):
+        model(input_ids=text_only, pixel_values_videos=frames, video_num_frames=routes(2, 2), task_ids=routes(0, 0))
 
 
 def test_videollm_placeholders_need_their_frames_at_the_frame_resolution(videollm):

@@ -892,9 +892,12 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
         else:
             mask = input_ids == self.config.video_token_id
         if int(mask.sum()) != video_features.shape[0]:
+            # Continuing a generation from its KV cache with the clip's frames again is the usual way to get none.
+            hint = "; frames already in the KV cache must not be passed again" if not mask.any() else ""
             raise ValueError(
                 f"the text has {int(mask.sum())} video placeholders (video_token_id={self.config.video_token_id}) but "
                 f"the frames give {video_features.shape[0]} frame tokens ({self.config.frame_num_tokens} per frame)"
+                f"{hint}"
             )
         return mask[..., None]
 
