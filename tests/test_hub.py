@@ -5,6 +5,7 @@ registered one.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -214,6 +215,20 @@ def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path):
         with atomic_output_dir(target, overwrite=True):
             pass
     assert target.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["target"]
+
+
+def test_output_folders_take_the_umask_permissions(tmp_path):
+    """mkdtemp's 0700 would make every written model private to its owner on a shared machine."""
+    from moezoo.hub.folders import atomic_output_dir
+
+    previous = os.umask(0o022)
+    try:
+        with atomic_output_dir(tmp_path / "out") as staging:
+            (staging / "config.json").write_text("{}")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_a_corrupt_config_is_named(tmp_path):

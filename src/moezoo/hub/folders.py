@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False):
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = _new_folder_beside(out)
     try:
         yield staging
         if out.exists():
@@ -38,6 +38,18 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False):
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def _new_folder_beside(out: Path) -> Path:
+    """A new empty folder `.{name}.partial-<random>` beside `out`, with the permissions the umask gives (mkdtemp's
+    are 0700, which would make every output folder private to its owner on a shared machine)."""
+    while True:
+        staging = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            continue
+        return staging
 
 
 def read_provenance(folder: str | Path) -> dict:
