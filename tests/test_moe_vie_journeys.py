@@ -1,6 +1,7 @@
 """MoE-ViE as transformers / OpenCLIP users drive it: regressions from a user-journey bug bash (PEFT LoRA, upcycled
 SigLIP2 text preprocessing)."""
 
+import pytest
 import torch
 from transformers import Siglip2Config, Siglip2Model
 
@@ -48,3 +49,22 @@ def test_upcycled_siglip2_pads_texts_to_the_text_tower_length(tmp_path):
         expected = siglip2.get_text_features(**inputs).pooler_output
     assert torch.allclose(alone[0], together[0], atol=1e-6)
     assert torch.allclose(together, expected, atol=1e-5)
+
+
+def router_aux_loss_gradients(checkpointing: dict | None):
+    model = tiny_model(vision_config={"router_aux_loss_type": "load_balancing", "router_aux_loss_coef": 1.0}).train()
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+    model(**batch(), return_loss=True).loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if ".gate." in name}
+
+
+def test_router_aux_loss_refuses_reentrant_checkpointing_and_trains_alike_under_the_default():
+    """Reentrant checkpointing records the router logits in a pass without gradients: the auxiliary loss silently
+    trained nothing (router gradients off by 2e-2)."""
+    expected = router_aux_loss_gradients(None)
+    assert expected
+    for name, grad in router_aux_loss_gradients({"use_reentrant": False}).items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="reentrant activation checkpointing.*use_reentrant': False"):
+        router_aux_loss_gradients({"use_reentrant": True})

@@ -42,7 +42,7 @@ from .moe.block import SparseMoeBlock
 from .moe.experts import SwiGLUMLP
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss, router_z_loss
-from .moe.pretrained import MoePreTrainedMixin
+from .moe.pretrained import MoePreTrainedMixin, checkpoints_reentrantly
 from .moe.router import TopKRouter
 from .moe.spec import MoeLayerSpec
 
@@ -727,6 +727,13 @@ class MoeVieModel(MoeViePreTrainedModel):
         is_video = pixel_values_videos is not None
         vision_config = self.config.vision_config
         use_aux_loss = bool(return_loss) and vision_config.router_aux_loss_type != "none"
+        if use_aux_loss and checkpoints_reentrantly(self.vision_model):
+            raise ValueError(
+                f"router_aux_loss_type={vision_config.router_aux_loss_type!r} cannot train under reentrant activation "
+                "checkpointing, whose pass that records the router logits runs without gradients (the auxiliary loss "
+                "would silently train nothing): use the default, model.activation_checkpointing_enable(), or "
+                "activation_checkpointing_kwargs={'use_reentrant': False}"
+            )
         if output_router_logits is None:
             output_router_logits = vision_config.output_router_logits
         vision_kwargs = kwargs | {"output_router_logits": output_router_logits or use_aux_loss}

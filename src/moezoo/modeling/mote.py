@@ -76,6 +76,7 @@ from ..configuration.mote import (
 )
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss
+from .moe.pretrained import checkpoints_reentrantly
 from .moe.router import TopKRouter
 from .moe.spec import MoeLayerSpec
 
@@ -293,12 +294,7 @@ def check_checkpointing(text_model) -> None:
     recorded in that first pass for the load-balancing loss, would carry no gradient (their loss silently untrained).
     Non-reentrant checkpointing, transformers' default, has neither problem."""
     mode = text_model.config.mote_routing_mode
-    if mode not in LEARNED_ROUTING_MODES or not (text_model.gradient_checkpointing and text_model.training):
-        return
-    # `activation_checkpointing_enable` binds its options to `torch.utils.checkpoint.checkpoint` with a partial;
-    # torch's default without `use_reentrant` is the reentrant variant.
-    options = getattr(text_model._gradient_checkpointing_func, "keywords", None)
-    if torch.is_grad_enabled() and options is not None and options.get("use_reentrant", True):
+    if mode in LEARNED_ROUTING_MODES and checkpoints_reentrantly(text_model):
         raise ValueError(
             f"routing mode {mode!r} cannot train its learned router under reentrant activation checkpointing (the "
             "sample router's weights enter every checkpointed layer; the token routers' logits for the load-balancing "

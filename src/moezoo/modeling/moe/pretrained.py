@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 # Importing the kernel modules registers "moezoo" and "moezoo_triton" in transformers' ExpertsInterface, in exported
 # (flattened) folders too, so `experts_implementation=` either works wherever the model code runs.
 from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
@@ -18,3 +21,19 @@ class MoePreTrainedMixin:
         """Default to moezoo's implementation, the fastest measured on CPU (it hands other devices to
         grouped_mm); an explicit request is honoured as usual."""
         return super().get_correct_experts_implementation(requested_experts or SORTED_EXPERTS_IMPLEMENTATION)
+
+
+def checkpoints_reentrantly(model: nn.Module) -> bool:
+    """Whether a training forward of `model` runs its layers under reentrant activation checkpointing
+    (`use_reentrant=True`; transformers' default is the non-reentrant variant). Reentrant checkpointing runs each
+    layer's first pass without gradients and takes only the layer's positional tensors as inputs, so a loss built
+    from what hooks record in that pass (router logits for an auxiliary loss) silently gets no gradient."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            # `activation_checkpointing_enable` binds its options to torch's checkpoint with a partial; torch's own
+            # default without `use_reentrant` is the reentrant variant.
+            options = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None)
+            return options is not None and options.get("use_reentrant", True)
+    return False
