@@ -347,3 +347,37 @@ trainer.save_model({str(tmp_path / "trained")!r})
         trained = load_file({str(trained / "model.safetensors")!r})
         assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
     """, without_moezoo=True)
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_carries_the_model_cards_and_the_native_kernels(tmp_path):
+    """`pip install moezoo` (not editable) must still render model cards at export and build its C kernels."""
+    import shutil
+    import zipfile
+
+    # Built from a copy: setuptools writes its build/ folder into the tree it builds.
+    source = tmp_path / "source"
+    for name in ("src", "model_cards"):
+        shutil.copytree(TESTS.parent / name, source / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(TESTS.parent / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "--quiet",
+         "--wheel-dir", str(tmp_path / "dist")],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("moezoo-*.whl")
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    result = run_python(f"""
+        import moezoo
+        from moezoo.hub.cards import model_cards_dir, template_path
+        from moezoo.registry import get_architecture, load_catalogue
+        site = {str(tmp_path / "site")!r}
+        assert moezoo.__file__.startswith(site), moezoo.__file__
+        load_catalogue()
+        assert template_path(get_architecture("moe_vie")).resolve().is_relative_to(site)
+        print(sorted(path.name for path in model_cards_dir().iterdir()))
+        print((model_cards_dir().parent / "kernels" / "native_experts.c").is_file())
+    """, env={"PYTHONPATH": str(tmp_path / "site")})
+    assert result.stdout.split("\n")[:2] == ["['moe_vie.md', 'moemb.md', 'mote.md']", "True"]

@@ -23,11 +23,11 @@ from ..registry import Architecture
 
 
 def model_cards_dir() -> Path:
-    """The repository's `model_cards/` folder (moezoo runs from its source tree, installed editable)."""
-    folder = Path(__file__).resolve().parents[3] / "model_cards"
+    """The templates' folder: `moezoo/model_cards`, a link to the repository's `model_cards/` in the source tree and
+    a copy of it in an installed wheel."""
+    folder = Path(__file__).resolve().parents[1] / "model_cards"
     if not folder.is_dir():
-        raise FileNotFoundError(f"model card templates not found at {folder}; moezoo must be installed from its "
-                                "source tree (pip install -e .)")
+        raise FileNotFoundError(f"model card templates not found at {folder}; reinstall moezoo")
     return folder
 
 
