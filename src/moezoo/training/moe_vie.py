@@ -8,32 +8,39 @@
   routers and text MLPs frozen (`freeze_for_video_finetuning`).
 
 The aux-loss-free balancing update runs once per optimizer step (`RoutingBiasCallback`); the loss curves and the
-routing heatmap of the trained model are written as PNG files beside it.
+routing heatmap of the trained model are written as PNG files beside it. With `save_steps`, checkpoints are written
+beside the output folder and `resume` continues an interrupted run from them (`moezoo.training.arguments`).
 """
 
 from __future__ import annotations
 
 import copy
-import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, set_seed
 
 from .. import __version__
-from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..hub.folders import read_provenance, write_provenance
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
 from ..terminal import console, print_table
-from .arguments import add_trainer_arguments, trainer_options, training_arguments
-from .callbacks import RoutingBiasCallback, use_rich_progress
+from .arguments import (
+    add_trainer_arguments,
+    checkpoint_to_resume,
+    loss_summary,
+    trainer_options,
+    training_arguments,
+    training_output_dir,
+)
+from .callbacks import LogAtCheckpointsAndEnd, RoutingBiasCallback, StepAverages, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, world
-from .plots import plot_training_curves
+from .plots import plot_log_history
 
 
 # --- batches ------------------------------------------------------------------------------------------------------
@@ -116,13 +123,14 @@ class MoeVieTrainer(Trainer):
 
 class VideoDistillationTrainer(MoeVieTrainer):
     """Adds frame-level distillation: one random real frame per video, the student's embedding of it (from the
-    video forward, spec §11 item 11) against the frozen teacher's image embedding of the same frame."""
+    video forward, spec §11 item 11) against the frozen teacher's image embedding of the same frame. The unweighted
+    distillation term `1 - cos` is logged beside the loss as `distillation_loss`, its mean since the previous log."""
 
     def __init__(self, *args, teacher: MoeVieModel, distill_weight: float = 0.5, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval().requires_grad_(False)
         self.distill_weight = distill_weight
-        self.last_distill_loss = float("nan")
+        self.distillation_losses = StepAverages()
 
     def extra_loss(self, model, inputs, outputs) -> torch.Tensor:
         real = inputs["padding_mask_videos"].bool()
@@ -137,8 +145,13 @@ class VideoDistillationTrainer(MoeVieTrainer):
                 spatial_shapes=inputs["video_spatial_shapes"],
             ).pooler_output
         distill = frame_distillation_loss(outputs.frame_embeds[rows, frames], teacher_frames)
-        self.last_distill_loss = distill.item()
+        self.distillation_losses.add("distillation_loss", distill)
         return self.distill_weight * distill
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log (not evaluation's, nor the summary at the end)
+            logs.update(self.distillation_losses.pop_means(self.accelerator))
+        super().log(logs, start_time)
 
 
 def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: bool = True) -> dict[str, int]:
@@ -153,23 +166,6 @@ def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: boo
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"frozen": frozen, "trainable": trainable}
-
-
-# --- callbacks ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LossHistory(TrainerCallback):
-    """Keeps every logged loss (and the distillation term when there is one) for the curves."""
-
-    curves: dict[str, list[float]] = field(default_factory=lambda: {"loss": []})
-    trainer: Trainer | None = None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.curves["loss"].append(float(logs["loss"]))
-            if isinstance(self.trainer, VideoDistillationTrainer):
-                self.curves.setdefault("distillation 1 - cos", []).append(self.trainer.last_distill_loss)
 
 
 # --- the command --------------------------------------------------------------------------------------------------
@@ -193,6 +189,8 @@ class MoeVieTrainingOptions:
     lora_r: int = 0
     seed: int = 0
     logging_steps: int = 10
+    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
+    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
@@ -233,6 +231,7 @@ def train_moe_vie(
     """Train the model in `model_dir` on `data` (see `moezoo.training.data`) and save it, its processor, the curves
     and the routing heatmap to `out`. Returns the final metrics."""
     options = options or MoeVieTrainingOptions()
+    checkpoint = checkpoint_to_resume(out, options)
     model = MoeVieModel.from_pretrained(model_dir)
     processor = MoeVieProcessor.from_pretrained(model_dir)
     if options.loss_type:
@@ -247,31 +246,30 @@ def train_moe_vie(
         collator = ImageTextCollator(processor, options.image_size)
     if len(dataset) < options.batch_size:
         raise ValueError(f"the data set has {len(dataset)} examples, fewer than one batch of {options.batch_size}")
+    set_seed(options.seed)  # before the LoRA adapters' random initialisation: the Trainer seeds only what follows
     trained = with_lora(model, options.lora_r) if options.lora_r else model
 
-    with atomic_output_dir(out, overwrite=overwrite) as staging:
+    with training_output_dir(out, overwrite=overwrite) as staging:
         # The global contrastive loss needs equal batches on every process.
-        args = training_arguments(staging / "checkpoints", options, dataloader_drop_last=True)
-        history = LossHistory()
+        args = training_arguments(out, options, dataloader_drop_last=True)
         trainer_class, extra = MoeVieTrainer, {}
         if options.video:
             trainer_class = VideoDistillationTrainer
             extra = {"teacher": teacher, "distill_weight": options.distill_weight}
         trainer = trainer_class(
             model=trained, args=args, train_dataset=dataset, data_collator=collator,
-            callbacks=[RoutingBiasCallback(), history], **extra,
+            callbacks=[RoutingBiasCallback(), LogAtCheckpointsAndEnd()], **extra,
         )
-        history.trainer = trainer
         use_rich_progress(trainer)
-        result = trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         if options.lora_r:
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
-        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
 
-        curves = plot_training_curves(history.curves, staging / "training_curves.png", title="MoE-ViE training",
-                                      xlabel=f"logging step (every {options.logging_steps} optimizer steps)")
+        panels = {"training loss": "loss", "frame distillation 1 - cos": "distillation_loss"}
+        curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
+                                  title="MoE-ViE training")
         heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
         training = {
             "summary": f"{'video fine-tuning with frame distillation' if options.video else 'contrastive training'} "
@@ -279,7 +277,7 @@ def train_moe_vie(
             "steps": options.steps,
             "batch_size": options.batch_size,
             "learning_rate": options.learning_rate,
-            "final_loss": round(result.training_loss, 4),
+            **loss_summary(trainer.state.log_history),
             "examples": len(dataset),
             "lora_r": options.lora_r or None,
             **({"frozen_parameters": freeze_counts["frozen"]} if options.video else {}),

@@ -16,8 +16,9 @@
   experts, which must diverge); the `<emb>` embedding row trainable (PEFT `trainable_token_indices`); the router
   frozen unless `--train-router` (or the config trains it). Adapters are merged into the saved model. An unmerged
   adapter (`save_pretrained` of `apply_lora`'s model, the Trainer's checkpoints) holds the expert adapters in
-  `expert_lora.safetensors` beside PEFT's files: reload it with `MoEmbLoraModel.from_pretrained(base, folder)`, as
-  `PeftModel.from_pretrained` would leave the experts unadapted.
+  `expert_lora.safetensors` (and trained routers in `trained_base_parameters.safetensors`) beside PEFT's files:
+  reload it with `MoEmbLoraModel.from_pretrained(base, folder)`, as `PeftModel.from_pretrained` would leave the
+  experts unadapted.
 - **Recipe** (spec §7.1): AdamW (0.9, 0.98), weight decay 0.01, gradient clipping 1.0, 10 warmup steps, cosine decay
   to a tenth of the peak learning rate: 1e-4 (`--recipe stated`, the paper's headline) or 5e-5 (`tuned`, Fig. 6).
 
@@ -25,13 +26,14 @@ Data is MMEB's training format (VLM2Vec): `qry`, `qry_image_path`, `pos_text`, `
 `neg_text`, `neg_image_path`, in a JSON / JSON Lines / CSV / Parquet file, a folder of them (one task each), or a
 `datasets.Dataset`; image paths are relative to `--image-root` (default: the data's folder). Validation data
 (`--eval-data`, same format) gets the training loss, `eval_loss`, every `--logging-steps` steps. The loss curves and
-the routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files.
+the routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files. With
+`--save-steps`, checkpoints are written beside the output folder and `--resume` continues an interrupted run from
+them (`moezoo.training.arguments`).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import zlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -41,27 +43,35 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset, concatenate_datasets, load_dataset
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
-from transformers import Trainer, TrainerCallback, set_seed
+from transformers import Trainer, set_seed
 
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
-from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..hub.folders import read_provenance, write_provenance
 from ..modeling.moe.experts import SwiGLUExperts
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
-from .arguments import add_trainer_arguments, trainer_options, training_arguments
-from .callbacks import use_rich_progress
+from .arguments import (
+    PeftModelWithTrainedBase,
+    add_trainer_arguments,
+    checkpoint_to_resume,
+    loss_summary,
+    trainer_options,
+    training_arguments,
+    training_output_dir,
+)
+from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS
 from .distributed import all_gather_with_grad, world
-from .plots import plot_training_curves
+from .plots import plot_log_history
 
 SIDES = ("query", "target", "negative")
 MMEB_COLUMNS = {"query": ("qry", "qry_image_path"), "target": ("pos_text", "pos_image_path"),
@@ -377,12 +387,23 @@ def load_expert_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], alp
         adapters[key].requires_grad_(trainable)
 
 
-class MoEmbLoraModel(PeftModel):
-    """PEFT's model of `apply_lora`, saving and loading the expert adapters too. They are parametrizations PEFT does
-    not know: `PeftModel.save_pretrained` leaves them out of the adapter (and so of the Trainer's checkpoints), and a
-    reloaded or resumed model would silently lose them. `save_pretrained` writes them to `expert_lora.safetensors`
-    beside PEFT's files; `load_adapter` (what `MoEmbLoraModel.from_pretrained` and the Trainer's
-    `resume_from_checkpoint` call) reads them back, onto a fresh base model too. One adapter ("default") at a time."""
+class MoEmbLoraModel(PeftModelWithTrainedBase):
+    """PEFT's model of `apply_lora`, saving and loading the expert adapters and the trained routers too. The expert
+    adapters are parametrizations PEFT does not know: `PeftModel.save_pretrained` leaves them out of the adapter (and
+    so of the Trainer's checkpoints), and a reloaded or resumed model would silently lose them. `save_pretrained`
+    writes them to `expert_lora.safetensors` beside PEFT's files; `load_adapter` (what
+    `MoEmbLoraModel.from_pretrained` and the Trainer's `resume_from_checkpoint` call) reads them back, onto a fresh
+    base model too. The routers, when they train (`--train-router`), are kept as `PeftModelWithTrainedBase` keeps
+    parameters trained in full. One adapter ("default") at a time."""
+
+    def trained_base_parameters(self) -> dict[str, nn.Parameter]:
+        return {
+            f"{module_name}.{name}": parameter
+            for module_name, module in self.get_base_model().named_modules()
+            if isinstance(module, TopKRouter)
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad
+        }
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
         super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
@@ -480,20 +501,8 @@ class MoEmbTrainingOptions:
     bf16: bool = False
     seed: int = 0
     logging_steps: int = 10
-
-
-@dataclass
-class LossHistory(TrainerCallback):
-    curves: dict[str, list[float]] = field(
-        default_factory=lambda: {"InfoNCE loss": [], "learning rate": [], "validation InfoNCE loss": []}
-    )
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.curves["InfoNCE loss"].append(float(logs["loss"]))
-            self.curves["learning rate"].append(float(logs.get("learning_rate", float("nan"))))
-        if logs and "eval_loss" in logs:
-            self.curves["validation InfoNCE loss"].append(float(logs["eval_loss"]))
+    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
+    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def train_moemb(
@@ -512,6 +521,7 @@ def train_moemb(
     options = options or MoEmbTrainingOptions()
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
+    checkpoint = checkpoint_to_resume(out, options)
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
     eval_dataset = None if eval_data is None else load_mmeb_dataset(eval_data, image_root, options.negatives)
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
@@ -530,9 +540,9 @@ def train_moemb(
     trainable = count_trainable(peft_model)
     learning_rate = options.learning_rate or RECIPES[options.recipe]
 
-    with atomic_output_dir(out, overwrite=overwrite) as staging:
+    with training_output_dir(out, overwrite=overwrite) as staging:
         args = training_arguments(
-            staging / "checkpoints",
+            out,
             options,
             learning_rate=learning_rate,
             lr_scheduler_type="cosine_with_min_lr",
@@ -546,23 +556,22 @@ def train_moemb(
             per_device_eval_batch_size=options.batch_size,
             eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
         )
-        history = LossHistory()
         collator = MoEmbCollator(processor, options.chunk_size, options.max_length)
         trainer = MoEmbTrainer(
             model=peft_model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
-            callbacks=[history],
+            callbacks=[LogAtCheckpointsAndEnd()],
             logit_scale=model.config.logit_scale, mask_duplicate_targets=options.mask_duplicate_targets,
             gradcache=options.chunk_size is not None,
         )  # fmt: skip
         use_rich_progress(trainer)
-        result = trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         model = merge_lora(peft_model)
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
-        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
 
-        curves = plot_training_curves(history.curves, staging / "training_curves.png", title="MoEMB training",
-                                      xlabel=f"logging step (every {options.logging_steps} optimizer steps)")
+        logs = trainer.state.log_history
+        panels = {"InfoNCE loss": "loss", "learning rate": "learning_rate", "validation InfoNCE loss": "eval_loss"}
+        curves = plot_log_history(logs, panels, staging / "training_curves.png", title="MoEMB training")
         heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
         lora = options.lora
         training = {
@@ -571,10 +580,7 @@ def train_moemb(
             "steps": options.steps,
             "batch_size": options.batch_size,
             "learning_rate": learning_rate,
-            # The first and last logged losses (each a mean over `logging_steps` steps) and the mean over training.
-            "initial_loss": round(history.curves["InfoNCE loss"][0], 4),
-            "final_loss": round(history.curves["InfoNCE loss"][-1], 4),
-            "mean_loss": round(result.training_loss, 4),
+            **loss_summary(logs),
             "examples": len(dataset),
             "lora": f"r={lora.rank}, alpha={lora.alpha}, experts: {expert_lora_mode(model.config, lora)}"
                     + (f" ({lora.expert_groups} groups)" if lora.experts == "grouped" else "")
@@ -583,7 +589,7 @@ def train_moemb(
             "gradcache_chunk_size": options.chunk_size,
         }
         if eval_dataset is not None:  # evaluated at the last step too (the Trainer does when it ends)
-            training["eval_loss"] = round(history.curves["validation InfoNCE loss"][-1], 4)
+            training["eval_loss"] = round([log["eval_loss"] for log in logs if "eval_loss" in log][-1], 4)
         write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
     return training

@@ -18,6 +18,9 @@ so `MoteTrainer` turns on `ddp_find_unused_parameters` unless told otherwise. (D
 hold zeros instead: unselected experts then drift during joint training, never during expert addition, where they
 are outside the optimizer.)
 
+`train_mote` (`moezoo train mote`) writes a checkpoint beside its output folder every `save_steps` steps, from which
+`resume` continues an interrupted run (`moezoo.training.arguments`).
+
 TRL works too: `SFTTrainer` prepares prompt-completion data as usual, and `TaskIdsCollator` around its collator
 carries each example's route to the model (pass `remove_unused_columns=False`).
 """
@@ -25,30 +28,38 @@ carries each example's route to the model (pass `remove_unused_columns=False`).
 from __future__ import annotations
 
 import math
-import shutil
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from PIL import Image
+from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainingArguments, set_seed
 
 from .. import __version__
 from ..hub.export import read_model_type
-from ..hub.folders import atomic_output_dir, read_provenance, write_provenance
+from ..hub.folders import read_provenance, write_provenance
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
-from .arguments import add_trainer_arguments, trainer_options, training_arguments
-from .callbacks import use_rich_progress
+from .arguments import (
+    PeftModelWithTrainedBase,
+    add_trainer_arguments,
+    checkpoint_to_resume,
+    loss_summary,
+    trainer_options,
+    training_arguments,
+    training_output_dir,
+)
+from .callbacks import LogAtCheckpointsAndEnd, StepAverages, use_rich_progress
 from .data import TABLE_FORMATS
-from .plots import plot_training_curves
+from .plots import plot_log_history
 
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
@@ -269,8 +280,8 @@ class TaskIdsCollator:
 class MoteTrainer(Trainer):
     """
     `Trainer` with route-homogeneous, rank-aligned batches (`MoteBucketBatchSampler`) and DDP that allows the unused
-    experts. The training data set needs a `task` or `task_ids` column. The loss of every step is kept per route
-    (`route_losses`, route id -> losses), for the curves.
+    experts. The training data set needs a `task` or `task_ids` column. Beside the loss, the loss of each route trained
+    since the previous log is logged as `loss/<expert name>` (the batches of a step all take one route).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *more, **kwargs):
@@ -278,12 +289,16 @@ class MoteTrainer(Trainer):
             # Unselected experts take no part in a step; DDP must expect that (spec §3.2).
             args.ddp_find_unused_parameters = True
         super().__init__(model, args, *more, **kwargs)
-        self.route_losses: dict[int, list[float]] = {}
+        self.route_losses = StepAverages()
+
+    @property
+    def expert_names(self) -> list[str]:
+        return self.accelerator.unwrap_model(self.model).config.get_text_config().mote_expert_names
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("MoteTrainer: training requires a train_dataset.")
-        expert_names = self.accelerator.unwrap_model(self.model).config.get_text_config().mote_expert_names
+        expert_names = self.expert_names
         # A dense baseline (no experts) has one path: one bucket.
         routes = dataset_route_ids(self.train_dataset, expert_names) if expert_names else [0] * len(self.train_dataset)
         dataset, collator = self.train_dataset, self.data_collator
@@ -305,8 +320,13 @@ class MoteTrainer(Trainer):
         task_ids = inputs.get("task_ids")
         if model.training and task_ids is not None:
             loss = result[0] if return_outputs else result
-            self.route_losses.setdefault(int(task_ids[0]), []).append(float(loss.detach()))
+            self.route_losses.add(f"loss/{self.expert_names[int(task_ids[0])]}", loss)
         return result
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log (not evaluation's, nor the summary at the end)
+            logs.update(self.route_losses.pop_means(self.accelerator))
+        super().log(logs, start_time)
 
 
 # --- what trains ----------------------------------------------------------------------------------------------------
@@ -319,14 +339,24 @@ def freeze_vision(model) -> None:
             module.requires_grad_(False)
 
 
-def with_attention_lora(model, rank: int):
+class MoteLoraModel(PeftModelWithTrainedBase):
+    """PEFT's model of `with_attention_lora`, whose checkpoints keep the parameters joint training trains in full."""
+
+    def trained_base_parameters(self) -> dict[str, nn.Parameter]:
+        return {
+            name: parameter
+            for name, parameter in self.get_base_model().named_parameters()
+            if any(part in name for part in JOINT_TRAINABLE)
+        }
+
+
+def with_attention_lora(model, rank: int) -> MoteLoraModel:
     """The paper's joint recipe (spec §7.1): LoRA (alpha = 2 r) on the decoder's attention; the experts, the shared
     experts and the projector train in full; everything else is frozen."""
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTENTION_LORA_TARGETS)
-    peft_model = get_peft_model(model, config)
-    for name, parameter in peft_model.named_parameters():
-        if any(part in name for part in JOINT_TRAINABLE):
-            parameter.requires_grad_(True)
+    peft_model = MoteLoraModel(model, config)
+    for parameter in peft_model.trained_base_parameters().values():
+        parameter.requires_grad_(True)
     return peft_model
 
 
@@ -359,17 +389,8 @@ class MoteTrainingOptions:
     description: str | None = None  # ... and its description for the route selector
     seed: int = 0
     logging_steps: int = 10
-
-
-@dataclass
-class TrainingCurves(TrainerCallback):
-    """The logged training loss, for the curves."""
-
-    losses: list[float] = field(default_factory=list)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(float(logs["loss"]))
+    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
+    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def load_mote_model(model_dir: str | Path):
@@ -463,6 +484,7 @@ def train_mote(
             "train_experts trains those experts alone, with everything else frozen; it does not combine with "
             "add_expert or lora_r"
         )
+    checkpoint = checkpoint_to_resume(out, options)
     model, processor = load_mote_model(model_dir)
     if options.add_expert and options.init_from == "dense" and dense_source is None:
         dense_source = load_dense_base(model, options.base_model)
@@ -481,43 +503,38 @@ def train_mote(
     else:
         freeze_vision(model)
         if options.lora_r:
+            set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
             trained, recipe = with_attention_lora(model, options.lora_r), f"joint, LoRA r={options.lora_r}"
         else:
             trained, recipe = model, "joint, full decoder"
     processor.expert_names = list(text_config.mote_expert_names)
     counts = trainable_parameters(trained)
 
-    with atomic_output_dir(out, overwrite=overwrite) as staging:
-        args = training_arguments(staging / "checkpoints", options)
-        curves = TrainingCurves()
+    with training_output_dir(out, overwrite=overwrite) as staging:
         trainer = MoteTrainer(
             model=trained,
-            args=args,
+            args=training_arguments(out, options),
             train_dataset=dataset,
             data_collator=MoteCollator(processor, getattr(model.config, "stream_silence_token", "eos")),
-            callbacks=[curves],
+            callbacks=[LogAtCheckpointsAndEnd()],
         )
         use_rich_progress(trainer)
-        result = trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         if trained is not model:  # LoRA: merged into the attention weights
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
-        shutil.rmtree(staging / "checkpoints", ignore_errors=True)
 
         names = text_config.mote_expert_names
-        panels = {"loss": curves.losses} | {
-            f"loss of route {names[route]!r} (per step)": losses
-            for route, losses in sorted(trainer.route_losses.items())
-        }
-        plot = plot_training_curves(panels, staging / "training_curves.png", title=f"MoTE training: {recipe}",
-                                    xlabel="logged step (overall) / training step of the route")
+        panels = {"loss (all routes)": "loss"} | {f"loss of route {name!r}": f"loss/{name}" for name in names}
+        plot = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
+                                title=f"MoTE training: {recipe}")
         training = {
             "summary": f"{recipe} for {options.steps} steps, batch {options.batch_size}",
             "steps": options.steps,
             "batch_size": options.batch_size,
             "learning_rate": options.learning_rate,
-            "final_loss": round(result.training_loss, 4),
+            **loss_summary(trainer.state.log_history),
             "examples": len(dataset),
             "examples_per_task": dict(sorted(Counter(dataset["task"]).items())),
             "experts": list(names),

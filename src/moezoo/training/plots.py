@@ -7,9 +7,14 @@ from pathlib import Path
 
 
 def plot_training_curves(
-    curves: Mapping[str, Sequence[float]], path: str | Path, title: str | None = None, xlabel: str = "step"
+    curves: Mapping[str, Sequence[float]],
+    path: str | Path,
+    title: str | None = None,
+    xlabel: str = "step",
+    steps: Mapping[str, Sequence[int]] | None = None,
 ) -> Path:
-    """One panel per named curve (loss, accuracy, ...), written to `path`."""
+    """One panel per named curve (loss, accuracy, ...), written to `path`. `steps` gives the x value of every point
+    of a curve (default: 1, 2, 3, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,9 +23,10 @@ def plot_training_curves(
     curves = {name: values for name, values in curves.items() if len(values)}
     if not curves:
         raise ValueError("no training curve has any value to plot")
+    steps = steps or {}
     fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.2), squeeze=False)
     for axis, (name, values) in zip(axes[0], curves.items()):
-        axis.plot(range(1, len(values) + 1), list(values))
+        axis.plot(steps.get(name, range(1, len(values) + 1)), list(values))
         axis.set_title(name)
         axis.set_xlabel(xlabel)
         axis.grid(alpha=0.3)
@@ -32,3 +38,19 @@ def plot_training_curves(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_log_history(
+    log_history: Sequence[Mapping[str, float]], panels: Mapping[str, str], path: str | Path, title: str | None = None
+) -> Path:
+    """
+    One panel per logged value against the optimizer step, from `trainer.state.log_history`: `panels` maps a
+    panel's title to its key in the Trainer's logs (`"loss"`, `"eval_loss"`, ...); a key never logged gets no panel.
+    A resumed run restores the log history of its checkpoint, so its curves cover the whole run.
+    """
+    curves, steps = {}, {}
+    for panel, key in panels.items():
+        logs = [log for log in log_history if key in log]
+        curves[panel] = [log[key] for log in logs]
+        steps[panel] = [log["step"] for log in logs]
+    return plot_training_curves(curves, path, title, xlabel="optimizer step", steps=steps)
