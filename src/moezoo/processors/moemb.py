@@ -36,8 +36,8 @@ Images go through `MoEmbImageProcessor` (transformers' PIL-backend Qwen2-VL imag
 re-implements it on PIL and numpy: the same frame sampling, `smart_resize` and patch layout; frames are resized with
 PIL's bicubic filter rather than torchvision's, which differs by a few intensity levels on resampled pixels.
 
-This file is copied as is into exported Hub folders, where moezoo is not installed: it imports only the standard
-library, numpy and transformers.
+This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
+numpy and transformers it imports only from `video.py`, which is copied beside it.
 """
 
 import re
@@ -50,6 +50,8 @@ from transformers.image_utils import ChannelDimension, is_valid_image, load_imag
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as smart_resize_video
 from transformers.processing_utils import ProcessorMixin
+
+from .video import is_frame
 
 EMB_TOKEN = "<emb>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -215,8 +217,13 @@ class MoEmbVideoProcessor:
             frame, (height, width), resample=processor.resample,
             data_format=ChannelDimension.FIRST, input_data_format=ChannelDimension.FIRST,
         )  # fmt: skip
-        frame = processor.rescale(frame, processor.rescale_factor)
-        return processor.normalize(frame, processor.image_mean, processor.image_std).astype(np.float32)
+        # The image processor's switches hold for frames too: with do_rescale=False, float frames in [0, 1] are used
+        # as they are, as float images are, instead of being divided by 255 a second time.
+        if processor.do_rescale:
+            frame = processor.rescale(frame, processor.rescale_factor)
+        if processor.do_normalize:
+            frame = processor.normalize(frame, processor.image_mean, processor.image_std)
+        return frame.astype(np.float32)
 
 
 def _open(image):
@@ -505,6 +512,16 @@ def normalize_input(item, index: int = 0) -> dict:
         images = []
     elif not isinstance(images, (list, tuple)):
         images = [images]
+    for number, image in enumerate(images):
+        # The image processor would take a 4D array or a nested list for several images, while the prompt gets one
+        # placeholder per entry: the visual tokens would no longer match the pixels.
+        if not (is_frame(image) or isinstance(image, (str, Path))):
+            shape = f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else ""
+            raise ValueError(
+                f"input {index}: image {number} is a {type(image).__name__}{shape}; each image must be a PIL image, "
+                "a (height, width, channels) or (channels, height, width) array, or a path: list several images one "
+                "by one, and add a channel axis to greyscale arrays"
+            )
     for key in ("instruction", "text"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ValueError(f"input {index}: {key!r} must be a string, got {type(item[key]).__name__}")

@@ -29,7 +29,7 @@ from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import PILImageResampling, SizeDict
 from transformers.models.glm46v.processing_glm46v import Glm46VProcessor
-from transformers.processing_utils import ImagesKwargs, ProcessorMixin, Unpack
+from transformers.processing_utils import ImagesKwargs, ProcessorMixin, TextKwargs, Unpack
 
 from .video import make_list_of_videos
 
@@ -560,14 +560,14 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
                 prompts; else no `task_ids` (the model's default route).
             route_selector: A `MoteRouteSelector` whose names are task names of this processor.
             video_fps, timestamps, segments: How to sample the videos (see [`VideoLlmMoteFrameProcessor`]).
-            kwargs: Frame options (`fps`, `max_num_frames`, `size`, ...) go to the frame processor, everything else
-                (`padding`, `padding_side`, `truncation`, ...) to the tokenizer.
+            kwargs: Frame options (`fps`, `max_num_frames`, `size`, ...) go to the frame processor and tokenizer
+                options (`padding`, `padding_side`, `truncation`, ...) to the tokenizer, given flat or grouped as in
+                transformers' processors (`videos_kwargs={...}`, `text_kwargs={...}`); see [`split_options`].
         """
         if text is None:
             raise ValueError("VideoLlmMoteProcessor needs `text`: render it with `render_prompt` or the chat template.")
         texts = as_text_list(text)
-        frame_keys = self.image_processor.valid_kwargs.__annotations__
-        frame_options = {key: kwargs.pop(key) for key in list(kwargs) if key in frame_keys}
+        frame_options, text_options = self.split_options(kwargs)
         num_markers = sum(t.count(self.video_token) for t in texts)
         video_inputs = {}
         if videos is not None:
@@ -582,9 +582,34 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
             )
         if num_videos:
             texts = self.expand_video_placeholders(texts, video_inputs["video_num_frames"].tolist())
-        text_inputs = self.tokenizer(texts, add_special_tokens=False, **kwargs)
+        # Texts are rendered prompts that begin with their own <|begin_of_text|>.
+        text_inputs = self.tokenizer(texts, **{"add_special_tokens": False, **text_options})
+        # Truncation can cut frame placeholders while every frame stays in `pixel_values_videos`.
+        self._check_special_mm_tokens(texts, text_inputs, modalities=["video"])
         inputs = BatchFeature(data={**text_inputs, **video_inputs}, tensor_type=return_tensors)
         return add_task_ids(inputs, self.route_ids(task, route_selector, as_text_list(text)), return_tensors)
+
+    def split_options(self, kwargs: dict) -> tuple[dict, dict]:
+        """
+        The frame processor's and the tokenizer's options among `kwargs`: flat, or grouped in `videos_kwargs` (or
+        `images_kwargs`) and `text_kwargs` as transformers' processors take them. An option neither takes raises
+        instead of being silently ignored (the tokenizer swallows unknown keywords).
+        """
+        frame_keys = set(self.image_processor.valid_kwargs.__annotations__)
+        text_keys = set(TextKwargs.__annotations__)
+        kwargs = dict(kwargs)
+        frame_options = {**(kwargs.pop("images_kwargs", None) or {}), **(kwargs.pop("videos_kwargs", None) or {})}
+        text_options = dict(kwargs.pop("text_kwargs", None) or {})
+        for key, value in kwargs.items():
+            (frame_options if key in frame_keys else text_options)[key] = value
+        unknown = sorted(set(frame_options) - frame_keys) + sorted(set(text_options) - text_keys)
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {', '.join(unknown)}. The frame processor takes {', '.join(sorted(frame_keys))}; "
+                f"the tokenizer takes {', '.join(sorted(text_keys))}; how videos are sampled is set with video_fps, "
+                "timestamps and segments."
+            )
+        return frame_options, text_options
 
     def expand_video_placeholders(self, texts: list[str], num_frames: list[int]) -> list[str]:
         """Replace the i-th `video_token` of the batch by the frame placeholders of the i-th video."""
