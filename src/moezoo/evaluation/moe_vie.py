@@ -358,13 +358,12 @@ def load_classification_data(
     # Imported here: datasets is an optional extra (moezoo[train]) that only loading evaluation sets needs.
     from datasets import ClassLabel
 
-    from ..training.data import load_image_text_dataset
+    from ..training.data import load_image_text_dataset, stored_values
 
     # The loader resolves image paths and opens images lazily for any set of images with one more column, which it
     # calls "text" whatever it holds: here, the labels.
     dataset = load_image_text_dataset(source, image_column=image_column, text_column=label_column)
-    _require_rows(dataset, source)
-    labels = _stored_values(dataset, "text")
+    labels = stored_values(dataset, "text")
     label_feature = dataset.features["text"]
     if class_names is not None:
         class_names = _read_list(class_names, "class names")
@@ -396,7 +395,7 @@ def load_retrieval_data(
     "image" or "frames". `limit` keeps that many items, spread evenly over the set, with all their captions.
     """
     # Imported here: datasets is an optional extra (moezoo[train]) that only loading evaluation sets needs.
-    from ..training.data import load_image_text_dataset, load_video_text_dataset
+    from ..training.data import load_image_text_dataset, load_video_text_dataset, stored_values
 
     _check_modality(modality)
     if modality == "image":
@@ -405,9 +404,9 @@ def load_retrieval_data(
     else:
         dataset = load_video_text_dataset(source, frames_column=item_column or "frames", text_column=text_column)
         column = "frames"
-    _require_rows(dataset, source)
+    keys, texts = _item_keys(stored_values(dataset, column)), stored_values(dataset, "text")
     item_of_key, item_rows, captions = {}, [], []
-    for row, (key, text) in enumerate(zip(_item_keys(dataset, column), _stored_values(dataset, "text"))):
+    for row, (key, text) in enumerate(zip(keys, texts)):
         if key not in item_of_key:
             item_of_key[key] = len(item_rows)
             item_rows.append(row)
@@ -419,26 +418,16 @@ def load_retrieval_data(
     )
 
 
-def _item_keys(dataset, column: str) -> list:
+def _item_keys(stored_items: list) -> list:
     """A key per row that rows showing the same item share: its image path or the tuple of its frame paths, or the
     row number when an image has no path."""
     keys = []
-    for row, value in enumerate(_stored_values(dataset, column)):
+    for row, value in enumerate(stored_items):
         # Stored images are paths (table files) or {"bytes", "path"} records (image features); videos are lists.
         frames = value if isinstance(value, list) else [value]
         paths = [frame if isinstance(frame, str) else (frame or {}).get("path") for frame in frames]
         keys.append(tuple(paths) if all(paths) else row)
     return keys
-
-
-def _stored_values(dataset, column: str) -> list:
-    """A column as stored, without decoding or opening any image."""
-    return dataset.with_format("arrow")[column].to_pylist()
-
-
-def _require_rows(dataset, source) -> None:
-    if len(dataset) == 0:
-        raise ValueError(f"{source} holds no examples")
 
 
 def _spread(count: int, limit: int | None) -> list[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -138,9 +138,10 @@ def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = NDCG_K) ->
 
 
 def _load_table(path: Path):
-    from datasets import load_dataset
+    # Imported here: datasets is an optional extra (moezoo[train]) that only loading evaluation sets needs.
+    from ..training.data import load_table
 
-    return load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
+    return load_table(path)
 
 
 def mmeb_tasks(source: str | Path, tasks: Sequence[str] | None = None) -> dict:
@@ -180,17 +181,25 @@ def mmeb_inputs(table, image_root: str | Path | None, limit: int | None = None) 
         )
     media = [column for column in ("tgt_img_path", "tgt_video_path") if column in columns]
     queries, candidates = [], []
-    for row in table.select(range(min(limit or len(table), len(table)))):
-        count = len(row["tgt_text"])
-        if count < 2 or any(len(row[column]) != count for column in media):
+    for index, row in enumerate(table.select(range(min(limit or len(table), len(table))))):
+        count = len(row["tgt_text"]) if isinstance(row["tgt_text"], list) else 0
+        # A null media list means no media for any candidate.
+        lists = [row[column] for column in media if row[column] is not None]
+        if count < 2 or any(not isinstance(value, list) or len(value) != count for value in lists):
             raise ValueError(
-                f"query {len(queries)}: tgt_text and {' and '.join(media) or 'its media'} must be lists of the same "
-                f"length, at least 2 candidates (got {count} and {[len(row[column]) for column in media]})"
+                f"query {index}: tgt_text and {' and '.join(media) or 'its media'} must be lists of the same "
+                f"length, at least 2 candidates (got {', '.join(f'{c}={row[c]!r:.80}' for c in ['tgt_text', *media])})"
             )
-        queries.append(mmeb_input(row["qry_text"], row.get("qry_img_path"), image_root, row.get("qry_video_path")))
+        query = mmeb_input(row["qry_text"], row.get("qry_img_path"), image_root, row.get("qry_video_path"))
         images, videos = (row.get(column) or [None] * count for column in ("tgt_img_path", "tgt_video_path"))
-        candidates.append([mmeb_input(text, image, image_root, video)
-                           for text, image, video in zip(row["tgt_text"], images, videos)])  # fmt: skip
+        group = [mmeb_input(text, image, image_root, video)
+                 for text, image, video in zip(row["tgt_text"], images, videos)]  # fmt: skip
+        # Named here by query and candidate: the embedder would only count the distinct inputs of the whole task.
+        for what, item in [("its query", query), *((f"candidate {i}", item) for i, item in enumerate(group))]:
+            if item["text"] is None and "images" not in item and "video" not in item:
+                raise ValueError(f"query {index}: {what} has no text, image or video")
+        queries.append(query)
+        candidates.append(group)
     return queries, candidates
 
 
@@ -234,14 +243,25 @@ def is_corpus_task(folder: Path) -> bool:
 
 
 def load_corpus_task(folder: str | Path) -> tuple:
-    """The `query`, `corpus` and `qrels` tables of a task folder."""
+    """The `query`, `corpus` and `qrels` tables of a task folder, checked: the columns the protocol reads, and ids that
+    name one query or document each (a repeated document id would leave all its rows but one irrelevant, so a
+    perfect model would lose points)."""
     folder = Path(folder)
     tables = {}
-    for name in ("query", "corpus", "qrels"):
+    for name, needed in (("query", ("id",)), ("corpus", ("id",)), ("qrels", ("query_id", "corpus_id", "score"))):
         found = [folder / f"{name}{suffix}" for suffix in TABLE_SUFFIXES if (folder / f"{name}{suffix}").is_file()]
         if not found:
             raise FileNotFoundError(f"{folder} has no {name} table ({', '.join(name + s for s in TABLE_SUFFIXES)})")
         tables[name] = _load_table(found[0])
+        missing = [column for column in needed if column not in tables[name].column_names]
+        if missing:
+            raise ValueError(
+                f"{found[0]} has no column {', '.join(missing)} (columns: {', '.join(tables[name].column_names)})"
+            )
+        if name != "qrels":
+            repeated = [key for key, count in Counter(map(str, tables[name]["id"])).items() if count > 1]
+            if repeated:
+                raise ValueError(f"{found[0]} repeats the id(s) {', '.join(map(repr, repeated[:5]))}: make ids unique")
     return tables["query"], tables["corpus"], tables["qrels"]
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import Dataset, concatenate_datasets, load_dataset
+from datasets import Dataset, concatenate_datasets
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -69,7 +69,7 @@ from .arguments import (
     training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
-from .data import TABLE_FORMATS
+from .data import TABLE_FORMATS, load_table
 from .distributed import all_gather_with_grad, world
 from .plots import plot_log_history
 
@@ -98,12 +98,12 @@ def load_mmeb_dataset(source: str | Path | Dataset, image_root: str | Path | Non
         parts, base = [("train", source)], None
     else:
         path = Path(source)
-        files = sorted(p for p in path.iterdir() if p.suffix in TABLE_FORMATS) if path.is_dir() else [path]
-        if not files or not all(p.is_file() and p.suffix in TABLE_FORMATS for p in files):
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in TABLE_FORMATS) if path.is_dir() else [path]
+        if not files or not all(p.is_file() and p.suffix.lower() in TABLE_FORMATS for p in files):
             raise FileNotFoundError(
                 f"{source}: expected an MMEB training file ({', '.join(TABLE_FORMATS)}) or a folder of them"
             )
-        parts = [(p.stem, load_dataset(TABLE_FORMATS[p.suffix], data_files=str(p), split="train")) for p in files]
+        parts = [(p.stem, load_table(p)) for p in files]
         base = path if path.is_dir() else path.parent
     tables = []
     for task, table in parts:

@@ -37,7 +37,6 @@ import datasets
 import numpy as np
 import torch
 from peft import LoraConfig
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainingArguments, set_seed
@@ -58,9 +57,8 @@ from .arguments import (
     training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, StepAverages, use_rich_progress
-from .data import TABLE_FORMATS
+from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table, open_image
 from .plots import plot_log_history
-
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
 DENSE_BASE_CLASSES = {"videollm_mote": AutoModelForCausalLM, "glm_ocr_mote": AutoModelForImageTextToText}
@@ -420,23 +418,24 @@ def load_dense_base(model, path: str | Path | None = None):
 def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str] = ()) -> datasets.Dataset:
     """
     Examples with `task`, `prompt`, `answer` (or `responses`, for live streams; see `MoteCollator`) and `frames`
-    (a list of images or image paths) or `image`, of `tasks` only if given: a `datasets.Dataset`, or a JSON / JSON
-    Lines / CSV / Parquet file whose media paths are relative to the file.
+    (a list of images or image paths, or a folder of frames) or `image`, of `tasks` only if given: a
+    `datasets.Dataset`, or a JSON / JSON Lines / CSV / Parquet file whose media paths are relative to the file. A row
+    with neither an answer nor responses, or without its media, is reported by number here rather than mid-training.
     """
     if isinstance(source, datasets.Dataset):
         dataset, base = source, None
     else:
         path = Path(source)
-        if path.suffix not in TABLE_FORMATS or not path.is_file():
+        if path.suffix.lower() not in TABLE_FORMATS or not path.is_file():
             raise ValueError(f"{path}: expected a {', '.join(TABLE_FORMATS)} file or a datasets.Dataset")
-        dataset = datasets.load_dataset(TABLE_FORMATS[path.suffix], data_files=str(path), split="train")
-        base = path.parent
+        dataset, base = load_table(path), path.parent
     columns = set(dataset.column_names)
     if not {"task", "prompt"} <= columns or not {"answer", "responses"} & columns or not {"frames", "image"} & columns:
         raise ValueError(
             f"The data set needs columns task, prompt, answer (or responses, for streams) and frames (videos) or "
             f"image; it has {dataset.column_names}."
         )
+    _require_targets_and_media(dataset, source)
     if tasks:
         dataset = dataset.filter(lambda task: task in tasks, input_columns="task")
         if len(dataset) == 0:
@@ -444,21 +443,26 @@ def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str
     return dataset if base is None else dataset.with_transform(lambda batch: _open_media(batch, base))
 
 
-def _open_media(batch: dict, base: Path) -> dict:
-    def open_image(item):
-        return item if not isinstance(item, str) else _load_rgb(base / item)
+def _require_targets_and_media(dataset: datasets.Dataset, source) -> None:
+    """Every row needs an answer or responses (a file may mix offline examples and streams, leaving the other column
+    empty) and its frames or image: otherwise the collator fails deep in tokenisation, naming no row."""
+    def lacking(column) -> set[int]:
+        return empty_rows(dataset, column) if column in dataset.column_names else set(range(len(dataset)))
 
+    for what, first, second in (("neither an answer nor responses", "answer", "responses"),
+                                ("neither frames nor an image", "frames", "image")):  # fmt: skip
+        rows = lacking(first) & lacking(second)
+        if rows:
+            raise empty_rows_error(source, sorted(rows), what)
+
+
+def _open_media(batch: dict, base: Path) -> dict:
     batch = dict(batch)
     if "frames" in batch:
-        batch["frames"] = [[open_image(frame) for frame in frames] for frames in batch["frames"]]
+        batch["frames"] = [[open_image(path) for path in frame_paths(frames, base)] for frames in batch["frames"]]
     if "image" in batch:
-        batch["image"] = [open_image(image) for image in batch["image"]]
+        batch["image"] = [image if not isinstance(image, str) else open_image(base / image) for image in batch["image"]]
     return batch
-
-
-def _load_rgb(path: Path) -> Image.Image:
-    with Image.open(path) as image:
-        return image.convert("RGB")
 
 
 def train_mote(
