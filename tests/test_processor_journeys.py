@@ -88,3 +88,18 @@ def test_moemb_video_frames_follow_the_image_processors_do_rescale(moemb):
     got = moemb([{"images": [floats[0]], "video": floats}])
     assert torch.allclose(got["pixel_values"], expected["pixel_values"], atol=1e-6)
     assert torch.allclose(got["pixel_values_videos"], expected["pixel_values_videos"], atol=1e-6)
+
+
+def test_moemb_opens_image_paths_as_they_display(moemb, tmp_path):
+    """A transparent PNG given by path came out black (transformers' `load_image` keeps the colour transparency
+    hides) while the same image in memory came out white, and a truncated file's error did not name it."""
+    image = Image.new("RGBA", (24, 40), (0, 0, 0, 0))
+    image.paste((200, 30, 30, 255), (0, 0, 12, 40))
+    image.save(tmp_path / "half_transparent.png")
+    from_path = moemb([{"images": [str(tmp_path / "half_transparent.png")]}])
+    in_memory = moemb([{"images": [image]}])
+    assert torch.equal(from_path["pixel_values"], in_memory["pixel_values"])
+    png = (tmp_path / "half_transparent.png").read_bytes()
+    (tmp_path / "truncated.png").write_bytes(png[: len(png) // 2])
+    with pytest.raises(ValueError, match="truncated.png"):
+        moemb([{"images": [tmp_path / "truncated.png"]}])

@@ -37,7 +37,7 @@ re-implements it on PIL and numpy: the same frame sampling, `smart_resize` and p
 PIL's bicubic filter rather than torchvision's, which differs by a few intensity levels on resampled pixels.
 
 This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
-numpy and transformers it imports only from `video.py`, which is copied beside it.
+numpy and transformers it imports only from `images.py` and `video.py`, which are copied beside it.
 """
 
 import re
@@ -51,6 +51,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as smart_resize_video
 from transformers.processing_utils import ProcessorMixin
 
+from .images import open_image
 from .video import is_frame
 
 EMB_TOKEN = "<emb>"
@@ -227,8 +228,11 @@ class MoEmbVideoProcessor:
 
 
 def _open(image):
-    """A file path or URL opened as a PIL image; images and arrays as they are."""
-    return load_image(str(image)) if isinstance(image, (str, Path)) else image
+    """A file path opened as it displays (`open_image`: EXIF orientation, transparency on white, 16-bit scaled, an
+    unreadable file named) or a URL as transformers opens it; images and arrays as they are."""
+    if not isinstance(image, (str, Path)):
+        return image
+    return load_image(image) if str(image).startswith(("http://", "https://")) else open_image(image)
 
 
 class MoEmbProcessor(ProcessorMixin):

@@ -57,7 +57,8 @@ from .arguments import (
     training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, StepAverages, use_rich_progress
-from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table, open_image
+from ..processors.images import open_image
+from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
 from .plots import plot_log_history
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
