@@ -47,7 +47,7 @@ def test_learned_routers_refuse_reentrant_checkpointing_and_train_alike_under_th
     expected = gradients(llama, batch)
     assert any("router" in name for name in expected)
     reentrant = copy.deepcopy(llama)
-    reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    reentrant.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="use_reentrant"):
         gradients(reentrant, batch)
     with torch.no_grad():  # inference is unaffected
@@ -62,7 +62,7 @@ def test_learned_routers_refuse_reentrant_checkpointing_and_train_alike_under_th
 def test_reentrant_checkpointing_still_trains_task_routes(llama):
     batch = token_batch() | {"task_ids": routes(0, 3)}
     expected = gradients(llama, batch)
-    llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    llama.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     checkpointed = gradients(llama, batch)
     assert checkpointed.keys() == expected.keys()
     for name, gradient in expected.items():
