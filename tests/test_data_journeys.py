@@ -71,16 +71,31 @@ def test_csv_and_parquet_image_paths_are_relative_to_the_data_file(images, tmp_p
     assert retrieval.captions == [["a red square"], ["a blue square"]]
 
 
-def test_webdataset_caption_files_are_read_as_text(images, tmp_path):
-    with tarfile.open(tmp_path / "shard-0.tar", "w") as shard:
-        for key, (image, caption) in enumerate([("red.png", "a red square"), ("blue.png", "a bleu carré ☕")]):
+def write_shard(path, images, pairs, text_suffix="txt"):
+    """A webdataset shard of (image file in `images`, caption) pairs, keyed 0000, 0001, ..."""
+    with tarfile.open(path, "w") as shard:
+        for key, (image, caption) in enumerate(pairs):
             for name, data in ((f"{key:04d}.png", (images / image).read_bytes()),
-                               (f"{key:04d}.caption", caption.encode())):  # fmt: skip
+                               (f"{key:04d}.{text_suffix}", caption.encode())):  # fmt: skip
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 shard.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_caption_files_are_read_as_text(images, tmp_path):
+    write_shard(tmp_path / "shard-0.tar", images, [("red.png", "a red square"), ("blue.png", "a bleu carré ☕")],
+                text_suffix="caption")
     dataset = load_image_text_dataset(tmp_path / "shard-0.tar")
     assert [example["text"] for example in dataset] == ["a red square", "a bleu carré ☕"]
+
+
+def test_retrieval_over_webdataset_shards_keeps_members_of_the_same_name_apart(images, tmp_path):
+    """Member names repeat from shard to shard (0000.png in each): they name no file, so two shards' images were
+    merged into one item with both captions."""
+    write_shard(tmp_path / "shard-0.tar", images, [("red.png", "a red square")])
+    write_shard(tmp_path / "shard-1.tar", images, [("blue.png", "a blue square")])
+    data = load_retrieval_data(str(tmp_path / "shard-*.tar"))
+    assert sorted(data.captions) == [["a blue square"], ["a red square"]]
 
 
 # --- images as they display ------------------------------------------------------------------------------------------

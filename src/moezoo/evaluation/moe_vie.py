@@ -391,7 +391,7 @@ def load_retrieval_data(
     of `moezoo.training.data.load_image_text_dataset` / `load_video_text_dataset`.
 
     Rows naming the same image file (or the same frame files) are one item with several captions, as in COCO and
-    Flickr30k; rows whose images carry no path (embedded bytes) are items of their own. `item_column` defaults to
+    Flickr30k; rows whose images are embedded (bytes: in-memory images, webdataset shards) are items of their own. `item_column` defaults to
     "image" or "frames". `limit` keeps that many items, spread evenly over the set, with all their captions.
     """
     # Imported here: datasets is an optional extra (moezoo[train]) that only loading evaluation sets needs.
@@ -420,12 +420,16 @@ def load_retrieval_data(
 
 def _item_keys(stored_items: list) -> list:
     """A key per row that rows showing the same item share: its image path or the tuple of its frame paths, or the
-    row number when an image has no path."""
+    row number when an image is embedded in the data (its bytes stored: in-memory images, webdataset members, whose
+    names repeat from shard to shard and name no file)."""
     keys = []
     for row, value in enumerate(stored_items):
         # Stored images are paths (table files) or {"bytes", "path"} records (image features); videos are lists.
         frames = value if isinstance(value, list) else [value]
-        paths = [frame if isinstance(frame, str) else (frame or {}).get("path") for frame in frames]
+        paths = [
+            frame if isinstance(frame, str) else (frame or {}).get("path") if (frame or {}).get("bytes") is None else None
+            for frame in frames
+        ]
         keys.append(tuple(paths) if all(paths) else row)
     return keys
 
