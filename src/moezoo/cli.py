@@ -7,6 +7,7 @@ import json
 import sys
 import textwrap
 
+from rich.markup import escape
 from safetensors import SafetensorError
 
 from . import __version__
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         if isinstance(error, SafetensorError):  # raised by the reader, which does not name the file
             message = f"a safetensors file is corrupt or incomplete ({message}): download or save it again"
-        error_console.print(f"[bold red]error:[/] {message}")
+        # Escaped: rich would take a "[name]" in the message for markup (and drop it, or fail on "[/path]"). Not
+        # wrapped by rich (at 80 columns when stderr is piped): paths in the message stay whole for copy-paste.
+        error_console.print(f"[bold red]error:[/] {escape(str(message))}", soft_wrap=True)
         return 2
 
 
@@ -65,14 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command(commands, name: str, help: str, examples: str) -> argparse.ArgumentParser:
+def _command(commands, name: str, help: str, examples: str, **options) -> argparse.ArgumentParser:
     return commands.add_parser(
         name,
         help=help,
         description=help,
         epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        **options,
     )
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    """What a command that needs a subcommand does without one: its own help (not the top level's), exit code 2."""
+    parser.print_help()
+    return 2
 
 
 def _add_list(commands) -> None:
@@ -141,38 +151,67 @@ def _run_create(args) -> int:
     from .zoo import create_from_preset
 
     out = create_from_preset(args.preset, args.out, seed=args.seed, overwrite=args.overwrite)
-    console.print(f"wrote {args.preset} (seed {args.seed}) to {out}")
+    console.print(f"wrote {args.preset} (seed {args.seed}) to {out}", markup=False)
     return 0
 
 
 def _add_convert(commands) -> None:
+    # Each converter has its own options, parsed once the converter is known: argparse's --help would stop at the
+    # options above, so --help is handled by _run_convert, which adds the options of the converters into --to.
     parser = _command(
         commands,
         "convert",
         "convert a source checkpoint (local folder or file, or a Hub repo id) into a moezoo architecture",
         """
         moezoo convert --list
+        moezoo convert --to moe_vie --help          # with the options of every converter into moe_vie
         moezoo convert --to moe_vie --from facebook/MoEViE-B16-224 --out moe-vie-b16
         moezoo convert --to moe_vie --from ./siglip2-base --out upcycled --num-experts 32 --top-k 3
         moezoo convert --to mote --from zai-org/GLM-OCR --out glm-ocr-mote --experts ocr,kie:"read receipts"
         """,
+        add_help=False,
     )
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help message and exit; with --to, also the options of its converters")
     parser.add_argument("--list", action="store_true", help="show the converters and what they take")
     parser.add_argument("--to", dest="architecture", help="the architecture (or family: mote) to convert into")
     parser.add_argument("--from", dest="source", help="a local folder or file, or a Hub repo id")
     parser.add_argument("--out")
     parser.add_argument("--variant", help="the design to convert into, for architectures that have several")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    parser.set_defaults(run=_run_convert)
+    parser.set_defaults(run=_run_convert, convert_parser=parser)
+
+
+def _converter_options_parser(converter, architecture: str) -> argparse.ArgumentParser:
+    """The parser of a converter's own options (what follows `--to ARCH --from SRC --out DIR`)."""
+    from .registry import resolve
+
+    parser = argparse.ArgumentParser(
+        prog=f"moezoo convert --to {architecture} ({converter.name})",
+        description=f"{converter.description} (takes: {', '.join(converter.sources)})",
+    )
+    if converter.add_arguments:
+        resolve(converter.add_arguments)(parser)
+    return parser
 
 
 def _run_convert(args) -> int:
     from pathlib import Path
 
-    from .conversion.common import find_converter, local_source, save_conversion, source_kind
+    from .conversion.common import find_converter, local_source, source_kind, write_conversion
+    from .hub.folders import atomic_output_dir
     from .registry import CONVERTERS, architectures_named, resolve
     from .terminal import console, print_table
 
+    if args.help:
+        args.convert_parser.print_help()
+        if args.architecture:
+            members = {member.name for member in architectures_named(args.architecture)}
+            for converter in CONVERTERS.values():
+                if converter.architecture in members:
+                    print()
+                    _converter_options_parser(converter, args.architecture).print_help()
+        return 0
     if args.list:
         print_table(
             "moezoo converters",
@@ -186,31 +225,30 @@ def _run_convert(args) -> int:
     if missing:
         raise ValueError(f"convert needs {', '.join(missing)} (or --list)")
     targets = [architecture.name for architecture in architectures_named(args.architecture)]
-    source = local_source(args.source)
-    kind = source_kind(source)
-    converter = find_converter(args.architecture, kind, args.variant)
-    options_parser = argparse.ArgumentParser(prog=f"moezoo convert --to {args.architecture} ({converter.name})")
-    if converter.add_arguments:
-        resolve(converter.add_arguments)(options_parser)
-    options = vars(options_parser.parse_args(args.converter_args))
-    if args.variant:
-        options["variant"] = args.variant
-    with console.status(f"converting {args.source} with {converter.name}"):
-        result = resolve(converter.function)(source, **options)
-    produced = result.model.config.model_type
-    if produced not in targets:
-        raise ValueError(
-            f"{converter.name} produced a {produced} model from these options, not "
-            f"{args.architecture}; see `moezoo convert --to {args.architecture} --from ... --help`"
-        )
-    # A family target (`--to mote`) records the member's own converter, the one `--to <member>` would name.
-    converter = find_converter(produced, kind, args.variant)
-    out = save_conversion(result, converter, Path(args.out), overwrite=args.overwrite)
-    provenance = result.provenance
+    # The output folder is claimed first, so that a taken --out fails before a download and a conversion that can
+    # take hours, not after them.
+    with atomic_output_dir(args.out, overwrite=args.overwrite) as staging:
+        source = local_source(args.source)
+        kind = source_kind(source)
+        converter = find_converter(args.architecture, kind, args.variant)
+        options = vars(_converter_options_parser(converter, args.architecture).parse_args(args.converter_args))
+        if args.variant:
+            options["variant"] = args.variant
+        with console.status(escape(f"converting {args.source} with {converter.name}")):
+            result = resolve(converter.function)(source, **options)
+        produced = result.model.config.model_type
+        if produced not in targets:
+            raise ValueError(
+                f"{converter.name} produced a {produced} model from these options, not "
+                f"{args.architecture}; see `moezoo convert --to {args.architecture} --help`"
+            )
+        # A family target (`--to mote`) records the member's own converter, the one `--to <member>` would name.
+        converter = find_converter(produced, kind, args.variant)
+        write_conversion(result, converter, staging)
     print_table(
         f"converted into {produced}",
         ["source", "converter", "max |Δ| vs source", "output"],
-        [[str(args.source), converter.name, provenance.get("max_abs_diff"), str(out)]],
+        [[str(args.source), converter.name, result.provenance.get("max_abs_diff"), str(Path(args.out))]],
     )
     return 0
 
@@ -237,10 +275,11 @@ def _run_export(args) -> int:
     from .hub.export import export_folder
     from .terminal import console
 
-    with console.status(f"exporting {args.source}"):
+    with console.status(escape(f"exporting {args.source}")):
         out = export_folder(args.source, args.out, repo_id=args.repo_id, overwrite=args.overwrite,
                             max_shard_size=args.max_shard_size)
-    console.print(f"exported {args.source} to {out}: load it with AutoModel.from_pretrained(..., trust_remote_code=True)")
+    console.print(f"exported {args.source} to {out}: load it with AutoModel.from_pretrained(..., trust_remote_code=True)",
+                  markup=False)
     return 0
 
 
@@ -265,9 +304,9 @@ def _run_push(args) -> int:
     from .hub.push import push_folder
     from .terminal import console
 
-    with console.status(f"pushing {args.folder} to {args.repo_id}"):
+    with console.status(escape(f"pushing {args.folder} to {args.repo_id}")):
         url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision)
-    console.print(f"pushed: {url}")
+    console.print(f"pushed: {url}", markup=False)
     return 0
 
 
@@ -343,6 +382,7 @@ def _add_bench(commands) -> None:
         moezoo bench mote --experts 1 2 4 8 16
         """,
     )
+    bench.set_defaults(run=lambda args: _print_help(bench))  # `moezoo bench` without a benchmark
     targets = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK")
     for name, help in (
         ("moemb", "embeddings per second: MoEMB against transformers' Qwen3.5-MoE forward on the same weights"),

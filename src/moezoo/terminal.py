@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 
 # Piped output (CI logs, `| tee`) gets wide tables instead of rich's 80-column default.
@@ -18,8 +19,8 @@ def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequen
     table = Table(title=title, header_style="bold")
     for column in columns:
         table.add_column(column, justify="left" if column == columns[0] else "right")
-    for row in rows:
-        table.add_row(*(format_cell(value) for value in row))
+    for row in rows:  # cells as plain text: a path or name with "[...]" in it is not rich markup
+        table.add_row(*(Text(format_cell(value)) for value in row))
     console.print(table)
 
 

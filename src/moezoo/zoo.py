@@ -66,11 +66,12 @@ def create_from_preset(name: str, out: str | Path, seed: int = 0, overwrite: boo
     """Write a randomly initialised model of `name` and its processor: the start of from-scratch training."""
     preset = get_preset(name)
     architecture = get_architecture(preset.architecture)
-    config = build_config(preset)
-    torch.manual_seed(seed)
-    model = architecture.model_class()(config)
-    processor = resolve(architecture.make_processor)(config) if architecture.make_processor else None
+    # The model is built once `out` is claimed: a taken `out` fails at once, not after building billions of weights.
     with atomic_output_dir(out, overwrite=overwrite) as staging:
+        config = build_config(preset)
+        torch.manual_seed(seed)
+        model = architecture.model_class()(config)
+        processor = resolve(architecture.make_processor)(config) if architecture.make_processor else None
         model.save_pretrained(staging)
         if processor is not None:
             processor.save_pretrained(staging)

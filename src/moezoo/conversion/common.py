@@ -112,15 +112,20 @@ def find_converter(architecture: str, kind: str, variant: str | None = None) -> 
 
 
 def save_conversion(result: ConversionResult, converter: Converter, out: Path, overwrite: bool = False) -> Path:
-    """Save the model, its processor and the provenance (`moezoo.json`), whose source and base model name a Hub source
-    by its repo id whichever folder the converter read it from."""
+    """Save the conversion into `out`, atomically (see `write_conversion`)."""
+    with atomic_output_dir(out, overwrite=overwrite) as staging:
+        write_conversion(result, converter, staging)
+    return out
+
+
+def write_conversion(result: ConversionResult, converter: Converter, folder: Path) -> None:
+    """Write the model, its processor and the provenance (`moezoo.json`) into `folder`, the provenance's source and base
+    model naming a Hub source by its repo id whichever folder the converter read it from."""
     provenance = dict(result.provenance)
     for key in ("source", "base_model"):
         if isinstance(provenance.get(key), str):
             provenance[key] = source_name(provenance[key])
-    with atomic_output_dir(out, overwrite=overwrite) as staging:
-        result.model.save_pretrained(staging)
-        if result.processor is not None:
-            result.processor.save_pretrained(staging)
-        write_provenance(staging, provenance | {"converter": converter.name, "moezoo_version": __version__})
-    return out
+    result.model.save_pretrained(folder)
+    if result.processor is not None:
+        result.processor.save_pretrained(folder)
+    write_provenance(folder, provenance | {"converter": converter.name, "moezoo_version": __version__})

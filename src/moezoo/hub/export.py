@@ -29,12 +29,12 @@ from .sentence_transformers_files import SENTENCE_TRANSFORMERS_MODULES, write_se
 
 
 def read_model_type(folder: Path) -> str:
+    expected = "export takes a model folder written by `moezoo create`, `moezoo convert`, `moezoo train` or save_pretrained"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}; {expected}")
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(
-            f"{folder} has no config.json; export takes a model folder written by `moezoo create`, `moezoo convert`, "
-            "`moezoo train` or save_pretrained"
-        )
+        raise FileNotFoundError(f"{folder} has no config.json; {expected}")
     try:
         model_type = json.loads(config_path.read_text()).get("model_type")
     except json.JSONDecodeError as error:
@@ -109,12 +109,12 @@ def export_folder(
 ) -> Path:
     source, out = Path(source), Path(out)
     architecture = get_architecture(read_model_type(source))
-    model = load_model_checked(architecture, source)
-    processor = load_processor(architecture, source)
-    provenance = read_provenance(source) | {"architecture": architecture.name, "moezoo_version": __version__}
-    counts = count_parameters(model)
-
+    # The weights are read once `out` is claimed: a taken `out` fails at once, not after loading a large model.
     with atomic_output_dir(out, overwrite=overwrite) as staging:
+        model = load_model_checked(architecture, source)
+        processor = load_processor(architecture, source)
+        provenance = read_provenance(source) | {"architecture": architecture.name, "moezoo_version": __version__}
+        counts = count_parameters(model)
         model.save_pretrained(staging, max_shard_size=max_shard_size, safe_serialization=True)
         if processor is not None:
             processor.save_pretrained(staging)

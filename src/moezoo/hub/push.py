@@ -22,16 +22,22 @@ def _transport_errors() -> tuple[type[Exception], ...]:
 
 def check_exported(folder: Path) -> None:
     """An exported folder has its model card and the code every auto_map entry points to."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}; push takes a folder written by "
+            "`moezoo export`"
+        )
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; push takes a folder written by `moezoo export`")
     auto_map = json.loads(config_path.read_text()).get("auto_map") or {}
-    missing = sorted(
-        {ref.split(".")[0] + ".py" for ref in auto_map.values() if not (folder / (ref.split(".")[0] + ".py")).is_file()}
-    )
-    if not auto_map or missing or not (folder / "README.md").is_file():
+    code_files = sorted({ref.split(".")[0] + ".py" for ref in auto_map.values()})
+    missing = ([] if auto_map else ["the auto_map in config.json"]) + [
+        name for name in [*code_files, "README.md"] if not (folder / name).is_file()
+    ]
+    if missing:
         raise ValueError(
-            f"{folder} is not an exported folder (auto_map, code files {missing or ''} or README.md missing); "
+            f"{folder} is not an exported folder ({', '.join(missing)} missing); "
             f"run `moezoo export {folder} --out <folder>` and push that"
         )
 
