@@ -367,7 +367,7 @@ def test_upcycling_a_saved_folder(siglip2, tmp_path):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(granularity=3), "granularity=3 does not divide"),
+    (dict(granularity=3), r"--granularity 3 \(granularity=3\) does not divide"),
     (dict(granularity=4, n_shared_experts=4), "n_shared_experts=4"),
     (dict(top_k=2), "top_k=2"),
     (dict(num_experts=4, top_k=4), "top_k=4"),

@@ -255,13 +255,13 @@ def test_sources_of_other_types_and_wrong_variants_are_refused(moe_source, dense
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="'llama' checkpoint; MoEMB converts Qwen3.5-MoE"):
         convert_qwen3_5_checkpoint(other, tmp_path / "out", emb_token_id=EMB)
-    with pytest.raises(ValueError, match="use variant 'upcycled' or 'modality'"):
+    with pytest.raises(ValueError, match=r"use --variant upcycled \(variant='upcycled'\) or --variant modality"):
         convert_qwen3_5_checkpoint(dense_source[0], tmp_path / "out", emb_token_id=EMB)
-    with pytest.raises(ValueError, match="use variant 'native'"):
+    with pytest.raises(ValueError, match=r"use --variant native \(variant='native'\)"):
         convert_qwen3_5_checkpoint(moe_source[0], tmp_path / "out", "modality", emb_token_id=EMB)
-    with pytest.raises(ValueError, match="pass emb_token_id"):
+    with pytest.raises(ValueError, match=r"pass --emb-token-id \(emb_token_id=\)"):
         convert_qwen3_5_checkpoint(moe_source[0], tmp_path / "out")
-    with pytest.raises(ValueError, match="num_experts, top_k only apply to variant 'upcycled'"):
+    with pytest.raises(ValueError, match=r"--num-experts \(num_experts=\), --top-k \(top_k=\) only apply to --variant upcycled"):
         convert_qwen3_5_checkpoint(moe_source[0], tmp_path / "out", emb_token_id=EMB, num_experts=8, top_k=2)
     with pytest.raises(ValueError, match="num_experts_per_tok=2 must equal upcycle_granularity=4"):
         convert_qwen3_5_checkpoint(dense_source[0], tmp_path / "out", "upcycled", emb_token_id=EMB, num_experts=8,

@@ -266,9 +266,22 @@ def _add_export(commands) -> None:
     parser.add_argument("source", help="a model folder (from create, convert, train or save_pretrained)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--repo-id", help="the Hub id the model card's usage example loads (default: the folder name)")
-    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--max-shard-size", type=_shard_size, default="5GB", help="e.g. 5GB, 500MB or bytes")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(run=_run_export)
+
+
+def _shard_size(text: str) -> int | str:
+    """A shard size checked while parsing: the export would reject a bad one only after loading the model."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = int(text) if text.isdigit() else parse_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write it like 5GB, 500MB, 100KB or in bytes")
+    return int(text) if text.isdigit() else text
 
 
 def _run_export(args) -> int:

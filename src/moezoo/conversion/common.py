@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from transformers.utils import logging as transformers_logging
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
@@ -71,6 +72,28 @@ def open_safetensors(path: str | Path) -> Iterator:
         raise ValueError(f"{path} is not a complete safetensors file ({error}): download or save it again") from error
     with handle as tensors:
         yield tensors
+
+
+def option_name(name: str, value: Any = ...) -> str:
+    """How an error names a converter option: the flag of `moezoo convert` and the keyword of the Python function,
+    which both reach the same code; e.g. `--top-k 3 (top_k=3)`, or `--emb-token-id (emb_token_id=)` without a value."""
+    flag = "--" + name.replace("_", "-")
+    if value is ...:
+        return f"{flag} ({name}=)"
+    return f"{flag} {value} ({name}={value!r})"
+
+
+@contextmanager
+def quiet_transformers_loading() -> Iterator[None]:
+    """Silence transformers' warnings while loading, such as its LOAD REPORT tables of missing and unexpected keys:
+    the callers expect those keys (a dual encoder loaded as its vision tower, a source's dropped heads) or account for
+    every tensor themselves."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

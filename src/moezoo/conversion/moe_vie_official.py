@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from transformers.initialization import no_init_weights
 
 from ..configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, MoeVieConfig
@@ -31,7 +33,8 @@ from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe_vie import MoeVieModel, rope_2d_inverse_frequencies
 from ..processors.build import CLIP_TOKENIZER_REPO, load_clip_tokenizer, make_moe_vie_processor
-from .common import ConversionResult
+from ..hub.push import transport_errors
+from .common import ConversionResult, option_name
 
 
 LICENSE = "cc-by-nc-4.0"
@@ -393,13 +396,14 @@ def _matching_official_config(derived: dict) -> str:
         if differences:
             raise ValueError(
                 f"the vision tower has the shape of {name} but other tensors differ ({'; '.join(differences)}); "
-                "pass its official model config (open_clip_config)"
+                f"pass its official model config ({option_name('open_clip_config')})"
             )
         return name
     raise ValueError(
         f"the tensor shapes (vision width {vision['hidden_size']}, {vision['num_hidden_layers']} blocks, patch "
         f"{vision['patch_size']}) match none of the released MoE-ViE configurations "
-        f"({', '.join(OFFICIAL_MOE_VIE_CONFIGS)}); pass the official model config (open_clip_config) for the heads, "
+        f"({', '.join(OFFICIAL_MOE_VIE_CONFIGS)}); pass the official model config "
+        f"({option_name('open_clip_config')}) for the heads, "
         "the routed top-k and the image size"
     )
 
@@ -562,7 +566,28 @@ def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | 
     text_config = model.config.text_config
     processor = make_moe_vie_processor(
         model.config,
-        tokenizer=load_clip_tokenizer(tokenizer or CLIP_TOKENIZER_REPO, text_config.max_position_embeddings),
+        tokenizer=load_clip_tokenizer(tokenizer or _clip_tokenizer_folder(), text_config.max_position_embeddings),
         size=report["image_size"],
     )
     return ConversionResult(model, processor, report)
+
+
+def _clip_tokenizer_folder() -> str:
+    """CLIP's tokenizer from the Hub cache, else downloaded once the Hub answered one request: a download from an
+    unreachable Hub retries every file for minutes before it fails."""
+    try:
+        return snapshot_download(CLIP_TOKENIZER_REPO, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    hint = "pass --tokenizer with a local CLIP tokenizer folder (with HF_HUB_OFFLINE=1 set, nothing tries the network)"
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"CLIP's tokenizer {CLIP_TOKENIZER_REPO} is not in the Hub cache and HF_HUB_OFFLINE "
+                                f"is set; {hint}")
+    try:
+        HfApi().model_info(CLIP_TOKENIZER_REPO)
+    except (HfHubHTTPError, *transport_errors()) as error:  # connection refused, DNS failure, timeouts, HTTP errors
+        raise FileNotFoundError(
+            f"cannot reach the Hub at {constants.ENDPOINT} to download CLIP's tokenizer {CLIP_TOKENIZER_REPO} "
+            f"({type(error).__name__}: {error}); {hint}"
+        ) from error
+    return snapshot_download(CLIP_TOKENIZER_REPO, allow_patterns=["*.json", "*.txt"])

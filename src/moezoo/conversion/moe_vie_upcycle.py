@@ -35,7 +35,7 @@ from ..configuration.moe_vie import MoeVieConfig
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe_vie import MoeVieModel
 from ..processors.build import make_moe_vie_processor
-from .common import ConversionResult
+from .common import ConversionResult, option_name
 
 
 SOURCE_MODEL_TYPES = ("siglip", "siglip2")
@@ -137,25 +137,27 @@ class _UpcyclingPlan:
     def __init__(self, dense_width: int, num_experts: int, granularity: int, top_k: int, n_shared_experts: int):
         for name, value in (("num_experts", num_experts), ("granularity", granularity), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{option_name(name, value)} must be a positive integer")
         if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts must be a non-negative integer, got {n_shared_experts!r}")
+            raise ValueError(f"{option_name('n_shared_experts', n_shared_experts)} must be a non-negative integer")
         if dense_width % granularity:
             raise ValueError(
-                f"granularity={granularity} does not divide the dense MLP width {dense_width}: the experts would not "
+                f"{option_name('granularity', granularity)} does not divide the dense MLP width {dense_width}: the experts would not "
                 "hold equal chunks"
             )
         if n_shared_experts >= granularity:
             raise ValueError(
-                f"n_shared_experts={n_shared_experts} must be smaller than granularity={granularity}: the routed "
+                f"{option_name('n_shared_experts', n_shared_experts)} must be smaller than "
+                f"{option_name('granularity', granularity)}: the routed "
                 "experts need at least one chunk of the dense MLP"
             )
         self.routed = num_experts - n_shared_experts
         self.designated = granularity - n_shared_experts
         if not self.designated <= top_k <= self.routed:
             raise ValueError(
-                f"top_k={top_k} must lie between granularity - n_shared_experts = {self.designated} (every token "
-                f"needs every chunk) and the number of routed experts num_experts - n_shared_experts = {self.routed}"
+                f"{option_name('top_k', top_k)} must lie between granularity - n_shared_experts = "
+                f"{self.designated} (every token needs every chunk) and the number of routed experts num_experts - "
+                f"n_shared_experts = {self.routed}"
             )
         self.top_k = top_k
         self.shared = n_shared_experts
@@ -170,9 +172,9 @@ class _UpcyclingPlan:
 
 def _check_options(mode: str, router_std: float, router_bias: float) -> None:
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
+        raise ValueError(f"{option_name('mode', mode)} is not one of {', '.join(map(repr, MODES))}")
     if not router_std >= 0:
-        raise ValueError(f"router_std must be >= 0, got {router_std!r}")
+        raise ValueError(f"{option_name('router_std', router_std)} must be >= 0")
     if not router_bias > 0:
         raise ValueError(f"router_bias must be > 0 so that the designated experts are selected, got {router_bias!r}")
 
@@ -375,8 +377,10 @@ def convert(source: Path, tokenizer: str | None = None, **options) -> Conversion
             tokenizer or source, model_max_length=model.config.text_config.max_position_embeddings
         )
     except (OSError, ValueError) as error:
+        # The first line says what failed; transformers goes on to list every config class it knows (hundreds).
+        reason = str(error).strip().partition("\n")[0]
         raise FileNotFoundError(
-            f"no tokenizer in {tokenizer or source} ({error}); pass --tokenizer with the source model's tokenizer"
+            f"no tokenizer in {tokenizer or source} ({reason}); pass --tokenizer with the source model's tokenizer"
         ) from error
     vision_config = model.config.vision_config
     image_options = {"resample": PILImageResampling.BILINEAR}

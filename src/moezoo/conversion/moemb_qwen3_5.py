@@ -43,7 +43,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbConfig
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
-from .common import ConversionResult, open_safetensors
+from .common import ConversionResult, open_safetensors, option_name, quiet_transformers_loading
 
 
 VARIANTS = ("native", "upcycled", "modality")
@@ -116,10 +116,12 @@ def convert_qwen3_5_checkpoint(
         FileNotFoundError: no config.json or no safetensors weights.
     """
     if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+        raise ValueError(f"{option_name('variant', variant)} is not one of {', '.join(map(repr, VARIANTS))}")
     _check_variant_options(variant, num_experts, granularity, top_k, router_init, modality_map)
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(map(repr, DTYPES))} (or None to keep the source's)")
+        raise ValueError(
+            f"{option_name('dtype', dtype)} is not one of {', '.join(map(repr, DTYPES))} (or None to keep the source's)"
+        )
     source, output = Path(source), Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} is not empty: convert into a new or empty folder")
@@ -222,8 +224,8 @@ def _check_source_type(model_type: str | None, variant: str) -> None:
     if model_type in SOURCE_MODEL_TYPE.values():
         fitting = [name for name, source_type in SOURCE_MODEL_TYPE.items() if source_type == model_type]
         raise ValueError(
-            f"variant={variant!r} converts a {expected!r} checkpoint, but the source is {model_type!r}: use "
-            f"variant {' or '.join(map(repr, fitting))} for it"
+            f"{option_name('variant', variant)} converts a {expected!r} checkpoint, but the source is "
+            f"{model_type!r}: use {' or '.join(option_name('variant', name) for name in fitting)} for it"
         )
     raise ValueError(
         f"the source is a {model_type!r} checkpoint; MoEMB converts Qwen3.5-MoE ('qwen3_5_moe', variant 'native') "
@@ -239,8 +241,8 @@ def _prepare_tokenizer(source: Path, emb_token: str, emb_token_id: int | None):
     if not has_tokenizer:
         if emb_token_id is None:
             raise ValueError(
-                f"{source} has no tokenizer to add {emb_token} to: pass emb_token_id (the id {emb_token} has in the "
-                "tokenizer you will use)"
+                f"{source} has no tokenizer to add {emb_token} to: pass {option_name('emb_token_id')} (the id "
+                f"{emb_token} has in the tokenizer you will use)"
             )
         return None, emb_token_id, None
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -250,8 +252,8 @@ def _prepare_tokenizer(source: Path, emb_token: str, emb_token_id: int | None):
     tokenizer_id = tokenizer.convert_tokens_to_ids(emb_token)
     if emb_token_id is not None and emb_token_id != tokenizer_id:
         raise ValueError(
-            f"emb_token_id={emb_token_id} disagrees with the source tokenizer, where {emb_token} is id {tokenizer_id}; "
-            "leave emb_token_id unset"
+            f"{option_name('emb_token_id', emb_token_id)} disagrees with the source tokenizer, where {emb_token} is "
+            f"id {tokenizer_id}; leave it unset"
         )
     return tokenizer, tokenizer_id, real_vocab_size
 
@@ -281,8 +283,8 @@ class _UpcyclingPlan:
         granularity = plan.granularity
         if not (isinstance(granularity, int) and granularity > 0 and plan.dense_width % granularity == 0):
             raise ValueError(
-                f"granularity={granularity!r} must be a positive integer that divides the dense FFN width "
-                f"{plan.dense_width}: the slices would not be equal otherwise"
+                f"{option_name('granularity', granularity)} must be a positive integer that divides the dense FFN "
+                f"width {plan.dense_width}: the slices would not be equal otherwise"
             )
         return plan
 
@@ -314,10 +316,10 @@ class _UpcyclingPlan:
 def _check_variant_options(variant, num_experts, granularity, top_k, router_init, modality_map) -> None:
     upcycling = {"num_experts": num_experts, "granularity": granularity, "top_k": top_k, "router_init": router_init}
     if variant != "upcycled" and any(value is not None for value in upcycling.values()):
-        given = [name for name, value in upcycling.items() if value is not None]
-        raise ValueError(f"{', '.join(given)} only apply to variant 'upcycled', not {variant!r}")
+        given = [option_name(name) for name, value in upcycling.items() if value is not None]
+        raise ValueError(f"{', '.join(given)} only apply to --variant upcycled, not {variant!r}")
     if variant != "modality" and modality_map is not None:
-        raise ValueError(f"modality_map only applies to variant 'modality', not {variant!r}")
+        raise ValueError(f"{option_name('modality_map')} only applies to --variant modality, not {variant!r}")
 
 
 def _parse_modality_map(modality_map: dict[int, int] | str | None) -> dict[int, int]:
@@ -331,8 +333,8 @@ def _parse_modality_map(modality_map: dict[int, int] | str | None) -> dict[int, 
         return {int(modality): int(expert) for modality, expert in pairs}
     except ValueError as error:
         raise ValueError(
-            f"modality_map {modality_map!r} must read 'modality:expert,...' with modalities 0 (text), 1 (image), "
-            "2 (video), e.g. '0:0,1:1,2:2' or '0:0,1:1,2:1'"
+            f"{option_name('modality_map', modality_map)} must read 'modality:expert,...' with modalities 0 (text), "
+            "1 (image), 2 (video), e.g. '0:0,1:1,2:2' or '0:0,1:1,2:1'"
         ) from error
 
 
@@ -592,10 +594,11 @@ def measure_differences(source: str | Path, converted: MoEmbForEmbedding) -> dic
     the router logits. `converted` must be in fp32."""
     config = converted.config
     native = config.moe_variant == "native"
-    if native:
-        reference = Qwen3_5MoeModel.from_pretrained(source, dtype=torch.float32, experts_implementation="eager")
-    else:
-        reference = Qwen3_5Model.from_pretrained(source, dtype=torch.float32)
+    with quiet_transformers_loading():  # the source's lm_head and mtp.* are not part of the base model
+        if native:
+            reference = Qwen3_5MoeModel.from_pretrained(source, dtype=torch.float32, experts_implementation="eager")
+        else:
+            reference = Qwen3_5Model.from_pretrained(source, dtype=torch.float32)
     previous_implementation = config.text_config._experts_implementation
     converted.set_experts_implementation("eager")
     # Text ids the source knows: the conversion may have grown the vocabulary to hold <emb> (spec §5.3).

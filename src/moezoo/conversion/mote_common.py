@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
-from .common import open_safetensors
+from .common import open_safetensors, option_name
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -134,17 +134,18 @@ def mote_fields(
 ) -> dict:
     """The `mote_*` config fields of a conversion."""
     if construction not in CONSTRUCTIONS:
-        raise ValueError(f"construction={construction!r} is not one of {', '.join(map(repr, CONSTRUCTIONS))}")
+        raise ValueError(f"{option_name('construction', construction)} is not one of {', '.join(map(repr, CONSTRUCTIONS))}")
     if construction == "copy_half" and not num_shared_experts:
         raise ValueError(
-            "construction='copy_half' halves every routed expert and leaves the other half to the shared expert, so "
-            "it needs one: keep the shared expert, or use construction='copy' (--construction copy), which is exact "
-            "without a shared expert"
+            f"{option_name('construction', 'copy_half')} halves every routed expert and leaves the other half to the "
+            "shared expert, so it needs one: keep the shared expert (no --no-shared-expert, num_shared_experts=1), or "
+            f"use {option_name('construction', 'copy')}, which is exact without a shared expert"
         )
     expert_init, shared_init, scale = CONSTRUCTIONS[construction]
     names = list(experts)
     if not names:
-        raise ValueError("a MoTE conversion needs at least one expert name (e.g. experts=['ocr', 'kie'])")
+        raise ValueError("a MoTE conversion needs at least one expert name (e.g. --experts ocr,kie or "
+                         "experts=['ocr', 'kie'])")
     return dict(
         mote_expert_names=names,
         mote_expert_descriptions={
@@ -332,7 +333,8 @@ class StateWriter:
         if missing:
             raise ValueError(
                 f"the source lacks the FFN tensors {_listing(missing)} of decoder layers to convert: it is not a "
-                "complete checkpoint of the expected architecture (or pass mote_layers to convert fewer layers)"
+                f"complete checkpoint of the expected architecture (or pass {option_name('mote_layers')} to convert "
+                "fewer layers)"
             )
         unwritten = sorted(set(self.targets) - self.written)
         if unwritten:

@@ -18,7 +18,7 @@ from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
 from ..configuration.mote import GlmOcrMoteConfig
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
-from .common import ConversionResult, source_name
+from .common import ConversionResult, quiet_transformers_loading, source_name
 from .mote_common import (
     DTYPES,
     GLM_FFN,
@@ -128,7 +128,8 @@ def convert_glm_ocr_to_mote(
 @torch.no_grad()
 def measure_routes(model: GlmOcrMoteForConditionalGeneration, folder: Path, dtype: torch.dtype) -> dict[str, float]:
     """max |logits| difference of every route against the source GLM-OCR on synthetic inputs."""
-    reference = GlmOcrForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).eval()
+    with quiet_transformers_loading():  # the source's MTP layer is not part of GlmOcrForConditionalGeneration
+        reference = GlmOcrForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).eval()
     inputs = synthetic_inputs(model.config)
     expected = reference(**inputs).logits
     del reference

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, Sigl
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
-from .common import ConversionResult, load_safetensors, source_name
+from .common import ConversionResult, load_safetensors, option_name, quiet_transformers_loading, source_name
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -86,7 +86,10 @@ def convert_llama_to_mote(
     """
     folder = Path(llm)
     if projector_from is not None and vision is None:
-        raise ValueError("projector_from (VideoLLM-online's connector) needs vision: the projector is VideoLLM-MoTE's")
+        raise ValueError(
+            f"{option_name('projector_from')} (VideoLLM-online's connector) needs {option_name('vision')}: the "
+            "projector is VideoLLM-MoTE's"
+        )
     dtype = DTYPES.get(dtype, dtype)
     experts = as_experts(experts)
     llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
@@ -174,17 +177,18 @@ def _placeholder_ids(folder: Path, video_token: str, video_token_id, frame_token
     if tokenizer is None:
         raise ValueError(
             f"{folder} has no tokenizer to look up the ids of {video_token!r} and {FRAME_SEPARATOR!r}: pass "
-            "video_token_id and frame_token_interval_id"
+            f"{option_name('video_token_id')} and {option_name('frame_token_interval_id')}"
         )
     if video_token_id is None:
         video_token_id = tokenizer.convert_tokens_to_ids(video_token)
         if video_token_id is None or video_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the Llama tokenizer has no token {video_token!r}; pass video_token_id")
+            raise ValueError(f"the Llama tokenizer has no token {video_token!r}; pass {option_name('video_token_id')}")
     if frame_token_interval_id is None:
         separator = tokenizer.encode(FRAME_SEPARATOR, add_special_tokens=False)
         if len(separator) != 1:
             raise ValueError(
-                f"{FRAME_SEPARATOR!r} is not one token of the Llama tokenizer; pass frame_token_interval_id"
+                f"{FRAME_SEPARATOR!r} is not one token of the Llama tokenizer; pass "
+                f"{option_name('frame_token_interval_id')}"
             )
         frame_token_interval_id = separator[0]
     return video_token_id, frame_token_interval_id
@@ -263,7 +267,8 @@ def _initialise_projector(writer: StateWriter, model, std: float, seed: int) -> 
 
 @torch.no_grad()
 def measure_llama_routes(model: LlamaMoteForCausalLM, folder: Path, dtype: torch.dtype) -> dict[str, float]:
-    reference = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    with quiet_transformers_loading():
+        reference = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
@@ -278,8 +283,9 @@ def measure_videollm_routes(
     """Two examples with two frames each. The reference runs the source SigLIP, the (shared, new) projector and the
     dense Llama on embeddings; `"vision_tower"` is the difference of the frame tokens."""
     config = model.config
-    reference_llm = LlamaForCausalLM.from_pretrained(str(llm), dtype=dtype).eval()
-    reference_vision = SiglipVisionModel.from_pretrained(str(vision), dtype=dtype).eval()
+    with quiet_transformers_loading():  # the vision tower of a dual encoder: the text tower's keys are unexpected
+        reference_llm = LlamaForCausalLM.from_pretrained(str(llm), dtype=dtype).eval()
+        reference_vision = SiglipVisionModel.from_pretrained(str(vision), dtype=dtype).eval()
     inputs = synthetic_video_inputs(config)
     frames = reference_vision(pixel_values=inputs["pixel_values_videos"].to(dtype))
     reference_tokens = model.model.frame_tokens(frames.last_hidden_state, frames.pooler_output)

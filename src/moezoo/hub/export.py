@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 from safetensors import SafetensorError
-from transformers.utils import logging as transformers_logging
 
 from .. import __version__
+from ..conversion.common import quiet_transformers_loading
 from ..modeling.moe.accounting import count_parameters
 from ..registry import Architecture, get_architecture, resolve
 from .cards import render_model_card
@@ -50,14 +50,11 @@ def load_model_checked(architecture: Architecture, folder: Path):
     transformers' own load report is silenced: the problems are reported here, in one error.
     """
     model_class = architecture.model_class()
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
     try:
-        model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
+        with quiet_transformers_loading():
+            model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
     except (RuntimeError, ValueError, OSError, SafetensorError) as error:
         raise ValueError(f"cannot load {folder} as {architecture.title}: {error}") from error
-    finally:
-        transformers_logging.set_verbosity(verbosity)
     problems = []
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         entries = sorted(_describe(entry) for entry in info.get(kind) or [])

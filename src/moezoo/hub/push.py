@@ -9,7 +9,7 @@ from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import HfHubHTTPError
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
+def transport_errors() -> tuple[type[Exception], ...]:
     """The network errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
     errors: list[type[Exception]] = [OSError]
     for module_name in ("httpx2", "httpx"):
@@ -55,7 +55,7 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, revisio
                                    commit_message=f"Upload {folder.name} with moezoo")
     except HfHubHTTPError as error:
         raise ConnectionError(f"the Hub at {constants.ENDPOINT} refused the push of {repo_id}: {error}") from error
-    except _transport_errors() as error:  # connection refused, DNS failure, timeouts
+    except transport_errors() as error:  # connection refused, DNS failure, timeouts
         raise ConnectionError(
             f"cannot reach the Hub at {constants.ENDPOINT} ({type(error).__name__}: {error}); check HF_ENDPOINT, "
             "HF_TOKEN and the network"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
+from rich.markup import escape
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainingArguments
@@ -69,10 +70,10 @@ def training_output_dir(out: str | Path, overwrite: bool = False):
             # Nothing to resume from, at most the empty folder the Trainer creates even when it saves no checkpoint.
             shutil.rmtree(checkpoints, ignore_errors=True)
         else:
-            error_console.print(
+            error_console.print(escape(  # the paths are the user's: "[...]" in them is not markup
                 f"training stopped; its checkpoints are kept in {checkpoints}: run the same command again with "
                 f"--resume (Python: resume=True) to continue from {Path(last).name}"
-            )
+            ))
         raise
     shutil.rmtree(checkpoints, ignore_errors=True)
 
