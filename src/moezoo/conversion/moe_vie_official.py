@@ -18,6 +18,7 @@ image_size, attn_pooler_heads, num_of_expert, split, k, moe_layers, use_ln_pre, 
 number of shared experts (`k = 1` for B and L, 2 for H, with one shared expert: spec §2.1).
 """
 
+import contextlib
 import json
 import pickle
 from collections.abc import Callable, Mapping
@@ -575,10 +576,8 @@ def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | 
 def _clip_tokenizer_folder() -> str:
     """CLIP's tokenizer from the Hub cache, else downloaded once the Hub answered one request: a download from an
     unreachable Hub retries every file for minutes before it fails."""
-    try:
+    with contextlib.suppress(LocalEntryNotFoundError):
         return snapshot_download(CLIP_TOKENIZER_REPO, local_files_only=True)
-    except LocalEntryNotFoundError:
-        pass
     hint = "pass --tokenizer with a local CLIP tokenizer folder (with HF_HUB_OFFLINE=1 set, nothing tries the network)"
     if constants.HF_HUB_OFFLINE:
         raise FileNotFoundError(f"CLIP's tokenizer {CLIP_TOKENIZER_REPO} is not in the Hub cache and HF_HUB_OFFLINE "

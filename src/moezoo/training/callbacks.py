@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from accelerate import Accelerator
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
@@ -41,28 +40,29 @@ class LogAtCheckpointsAndEnd(TrainerCallback):
         return control
 
 
-class StepAverages:
-    """Values a trainer records at every training step (a loss term, the loss of each route), to be logged with the
-    Trainer's loss as their means since the previous log, so that they are in `trainer.state.log_history`, which
-    checkpoints keep. Call `pop_means` from `Trainer.log` on every process: the means are averaged over processes,
-    which must have recorded the same names."""
+class LogsStepMeans:
+    """A `Trainer` mixin (placed before `Trainer`) for values recorded at every training step besides the loss (a loss
+    term, the loss of each route): `record_step_value(name, value)`, and every training log adds their means since the
+    previous log, so that they are in `trainer.state.log_history`, which checkpoints keep. The means are averaged over
+    processes, which must record the same names."""
 
-    def __init__(self):
-        self.totals: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._step_totals: dict[str, torch.Tensor] = {}
+        self._step_counts: dict[str, int] = {}
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.totals[name] = self.totals.get(name, 0) + value.detach().float()
-        self.counts[name] = self.counts.get(name, 0) + 1
+    def record_step_value(self, name: str, value: torch.Tensor) -> None:
+        self._step_totals[name] = self._step_totals.get(name, 0) + value.detach().float()
+        self._step_counts[name] = self._step_counts.get(name, 0) + 1
 
-    def pop_means(self, accelerator: Accelerator) -> dict[str, float]:
-        names = sorted(self.totals)
-        if not names:
-            return {}
-        means = torch.stack([self.totals[name] / self.counts[name] for name in names]).to(accelerator.device)
-        means = accelerator.reduce(means, reduction="mean")
-        self.totals, self.counts = {}, {}
-        return dict(zip(names, means.tolist()))
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        names = sorted(self._step_totals)
+        if "loss" in logs and names:  # a training log (not evaluation's, nor the summary at the end)
+            means = torch.stack([self._step_totals[name] / self._step_counts[name] for name in names])
+            means = self.accelerator.reduce(means.to(self.accelerator.device), reduction="mean")
+            logs.update(zip(names, means.tolist()))
+            self._step_totals, self._step_counts = {}, {}
+        super().log(logs, start_time)
 
 
 class RichProgressCallback(TrainerCallback):

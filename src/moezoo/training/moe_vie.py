@@ -37,7 +37,7 @@ from .arguments import (
     training_arguments,
     training_output_dir,
 )
-from .callbacks import LogAtCheckpointsAndEnd, RoutingBiasCallback, StepAverages, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, world
 from .plots import plot_log_history
@@ -121,7 +121,7 @@ class MoeVieTrainer(Trainer):
         return 0.0
 
 
-class VideoDistillationTrainer(MoeVieTrainer):
+class VideoDistillationTrainer(LogsStepMeans, MoeVieTrainer):
     """Adds frame-level distillation: one random real frame per video, the student's embedding of it (from the
     video forward, spec §11 item 11) against the frozen teacher's image embedding of the same frame. The unweighted
     distillation term `1 - cos` is logged beside the loss as `distillation_loss`, its mean since the previous log."""
@@ -130,7 +130,6 @@ class VideoDistillationTrainer(MoeVieTrainer):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval().requires_grad_(False)
         self.distill_weight = distill_weight
-        self.distillation_losses = StepAverages()
 
     def extra_loss(self, model, inputs, outputs) -> torch.Tensor:
         real = inputs["padding_mask_videos"].bool()
@@ -145,13 +144,8 @@ class VideoDistillationTrainer(MoeVieTrainer):
                 spatial_shapes=inputs["video_spatial_shapes"],
             ).pooler_output
         distill = frame_distillation_loss(outputs.frame_embeds[rows, frames], teacher_frames)
-        self.distillation_losses.add("distillation_loss", distill)
+        self.record_step_value("distillation_loss", distill)
         return self.distill_weight * distill
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log (not evaluation's, nor the summary at the end)
-            logs.update(self.distillation_losses.pop_means(self.accelerator))
-        super().log(logs, start_time)
 
 
 def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: bool = True) -> dict[str, int]:

@@ -56,7 +56,7 @@ from .arguments import (
     training_arguments,
     training_output_dir,
 )
-from .callbacks import LogAtCheckpointsAndEnd, StepAverages, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
 from .plots import plot_log_history
@@ -276,7 +276,7 @@ class TaskIdsCollator:
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
 
-class MoteTrainer(Trainer):
+class MoteTrainer(LogsStepMeans, Trainer):
     """
     `Trainer` with route-homogeneous, rank-aligned batches (`MoteBucketBatchSampler`) and DDP that allows the unused
     experts. The training data set needs a `task` or `task_ids` column. Beside the loss, the loss of each route trained
@@ -288,7 +288,6 @@ class MoteTrainer(Trainer):
             # Unselected experts take no part in a step; DDP must expect that (spec §3.2).
             args.ddp_find_unused_parameters = True
         super().__init__(model, args, *more, **kwargs)
-        self.route_losses = StepAverages()
 
     @property
     def expert_names(self) -> list[str]:
@@ -319,13 +318,8 @@ class MoteTrainer(Trainer):
         task_ids = inputs.get("task_ids")
         if model.training and task_ids is not None:
             loss = result[0] if return_outputs else result
-            self.route_losses.add(f"loss/{self.expert_names[int(task_ids[0])]}", loss)
+            self.record_step_value(f"loss/{self.expert_names[int(task_ids[0])]}", loss)
         return result
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log (not evaluation's, nor the summary at the end)
-            logs.update(self.route_losses.pop_means(self.accelerator))
-        super().log(logs, start_time)
 
 
 # --- what trains ----------------------------------------------------------------------------------------------------
