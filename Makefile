@@ -5,15 +5,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moezoo-installed
 # The CPU build of torch that lies on this machine's disk; installed first so no CUDA build is pulled.
 TORCH_SPEC ?= torch==2.13.0
+# The exact versions CI last passed with; pyproject.toml's ranges stay open for library users.
+CONSTRAINTS := constraints.txt
+UPGRADE_VENV := .venv-upgrade
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo bench upgrade-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The last step unpacks the installed transformers' common model tests (not shipped in its wheel) into the venv.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[train,kernels,test]"
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[train,kernels,test]"
+	$(PY) tests/transformers_tests/fetch.py
 	touch $(STAMP)
 
 # One worker per core; a file's tests stay on one worker so its module fixtures are built once.
@@ -29,5 +34,21 @@ demo: setup
 bench: setup
 	$(VENV)/bin/moezoo bench moe-layer
 
+# The newest versions pyproject.toml allows, in a scratch venv, against the whole suite (transformers' common tests
+# of the new version included): a new release is met on purpose. On success, the tested set is written beside it.
+upgrade-check:
+	rm -rf $(UPGRADE_VENV)
+	$(PYTHON) -m venv $(UPGRADE_VENV)
+	$(UPGRADE_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(UPGRADE_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[train,kernels,test]"
+	$(UPGRADE_VENV)/bin/python tests/transformers_tests/fetch.py
+	$(UPGRADE_VENV)/bin/python -m pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/' \
+		> $(UPGRADE_VENV)/freeze.txt
+	@echo "versions that differ from $(CONSTRAINTS):"
+	@grep -v '^#' $(CONSTRAINTS) | diff - $(UPGRADE_VENV)/freeze.txt || true
+	$(UPGRADE_VENV)/bin/python -m pytest -n auto --dist loadfile
+	{ grep '^#' $(CONSTRAINTS); cat $(UPGRADE_VENV)/freeze.txt; } > $(UPGRADE_VENV)/constraints.txt
+	@echo "the suite passes with these versions: cp $(UPGRADE_VENV)/constraints.txt $(CONSTRAINTS) to adopt them"
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info demo_output
+	rm -rf $(VENV) $(UPGRADE_VENV) build *.egg-info src/*.egg-info demo_output

@@ -30,6 +30,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The package of transformers' common tests is imported by the conformance test modules, not collected itself.
+collect_ignore = ["transformers_tests"]
+
+# Markers that transformers' common test files and testing_utils put on their tests (its own conftest registers them).
+TRANSFORMERS_MARKERS = (
+    "accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test",
+    "is_agent_test", "is_expert_parallel_test", "is_fsdp_test", "is_pipeline_test", "is_staging_test",
+    "is_tensor_parallel_test", "is_training_test", "order",
+)
+
+
+def pytest_configure(config):
+    for marker in TRANSFORMERS_MARKERS:
+        config.addinivalue_line("markers", f"{marker}: used by transformers' common tests")
+
+
 def run_python(code: str, env: dict | None = None, cwd=None, timeout: int = 300,
                without_moezoo: bool = False) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter; fail the test with its output if it fails."""
