@@ -55,11 +55,13 @@ def test_create_and_export_refuse_a_taken_out_before_building_or_loading(toy_reg
 
 
 def test_export_and_push_say_what_is_wrong_with_the_folder(tmp_path):
-    from moezoo.hub.export import read_model_type
+    from moezoo.hub.export import export_folder
     from moezoo.hub.push import check_exported
 
-    with pytest.raises(FileNotFoundError, match="nowhere does not exist; export takes"):
-        read_model_type(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist; give a model folder"):
+        export_folder(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="has no config.json; `moezoo export` takes a model folder"):
+        export_folder(tmp_path, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="nowhere does not exist; push takes"):
         check_exported(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "auto_map": {"AutoModel": "modeling_x.X"}}))

@@ -232,11 +232,11 @@ def test_output_folders_take_the_umask_permissions(tmp_path):
 
 
 def test_a_corrupt_config_is_named(tmp_path):
-    from moezoo.hub.export import read_model_type
+    from moezoo.hub.sources import model_folder
 
     (tmp_path / "config.json").write_text("{\n  oops")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON .*save the model again"):
-        read_model_type(tmp_path)
+        model_folder(tmp_path, "`moezoo export`")
 
 
 def test_commands_refuse_to_overwrite_without_asking(toy_folders, tmp_path):

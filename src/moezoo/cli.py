@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import textwrap
 
@@ -15,9 +17,11 @@ from .bench.timing import add_device_arguments, add_threads_argument, apply_thre
 from .terminal import error_console
 
 
-USER_ERRORS = (
-    ValueError, KeyError, FileNotFoundError, FileExistsError, ConnectionError, ImportError, SafetensorError
-)
+# What a user can fix (a wrong argument, path or file, no network, a missing package): one error line, no traceback.
+# OSError covers missing, taken and unreadable paths and an unreachable Hub (moezoo.hub.sources.HubUnreachableError).
+USER_ERRORS = (ValueError, KeyError, OSError, ImportError, SafetensorError)
+# Exit status of a command stopped by Ctrl-C or a kill (SIGTERM), as shells report a SIGINT: 128 + 2.
+INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,10 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
+    debug = args.debug or os.environ.get("MOEZOO_DEBUG", "") not in ("", "0")
+    # A kill stops a command as Ctrl-C does (Python's default would end the process at once): output folders being
+    # written are removed and an interrupted training run says how to resume (moezoo.hub.folders, training.arguments).
+    previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return args.run(args) or 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        error_console.print("interrupted")
+        return INTERRUPTED
     except USER_ERRORS as error:
-        if args.debug:
+        if debug:
             raise
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         if isinstance(error, SafetensorError):  # raised by the reader, which does not name the file
@@ -45,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         # wrapped by rich (at 80 columns when stderr is piped): paths in the message stay whole for copy-paste.
         error_console.print(f"[bold red]error:[/] {escape(str(message))}", soft_wrap=True)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"moezoo {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show the full traceback of errors")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of errors (as does the environment variable MOEZOO_DEBUG=1)")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_list(commands)
     _add_create(commands)

@@ -66,12 +66,13 @@ def create_from_preset(name: str, out: str | Path, seed: int = 0, overwrite: boo
     """Write a randomly initialised model of `name` and its processor: the start of from-scratch training."""
     preset = get_preset(name)
     architecture = get_architecture(preset.architecture)
-    # The model is built once `out` is claimed: a taken `out` fails at once, not after building billions of weights.
+    # The model is built once `out` is claimed and the processor made (a paper-scale preset's tokenizer comes from the
+    # Hub): a taken `out` or an unreachable tokenizer fails at once, not after building billions of weights.
     with atomic_output_dir(out, overwrite=overwrite) as staging:
         config = build_config(preset)
+        processor = resolve(architecture.make_processor)(config) if architecture.make_processor else None
         torch.manual_seed(seed)
         model = architecture.model_class()(config)
-        processor = resolve(architecture.make_processor)(config) if architecture.make_processor else None
         model.save_pretrained(staging)
         if processor is not None:
             processor.save_pretrained(staging)

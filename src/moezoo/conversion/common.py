@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers.utils import logging as transformers_logging
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
+from ..hub.sources import locate, open_safetensors, source_name
 from ..registry import CONVERTERS, Converter, architectures_named
 
 
@@ -35,43 +35,8 @@ class ConversionResult:
 
 
 def local_source(source: str | Path) -> Path:
-    """A local file or folder as is; a Hub repo id is downloaded (needs a network, or the cache offline)."""
-    path = Path(source)
-    if path.exists():
-        return path
-    if str(source).count("/") == 1 and not str(source).startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(str(source)))
-        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-            raise FileNotFoundError(
-                f"{source} is neither a local path nor a reachable Hub repo ({type(error).__name__}: {error})"
-            ) from error
-    raise FileNotFoundError(f"{source} does not exist")
-
-
-def source_name(source: str | Path) -> str:
-    """How provenance names a source: the Hub repo id for a snapshot folder of the Hub cache (where `local_source`
-    downloads a repo id to; the cache path means nothing on another machine), else the path as given."""
-    parts = Path(source).parts
-    # <cache>/models--<org>--<name>/snapshots/<revision>; Hub repo ids cannot contain "--", so the split is exact.
-    if len(parts) >= 3 and parts[-3].startswith("models--") and parts[-2] == "snapshots":
-        return parts[-3].removeprefix("models--").replace("--", "/")
-    return str(source)
-
-
-@contextmanager
-def open_safetensors(path: str | Path) -> Iterator:
-    """`safetensors.safe_open(path)`, failing with an error that names the file when it is corrupt or incomplete (a
-    partial download): the reader's own error does not say which file."""
-    try:
-        handle = safe_open(str(path), framework="pt")
-    except SafetensorError as error:
-        raise ValueError(f"{path} is not a complete safetensors file ({error}): download or save it again") from error
-    with handle as tensors:
-        yield tensors
+    """A local file or folder as is; a Hub repo id downloaded (see `moezoo.hub.sources.locate`)."""
+    return locate(source, "the source", "give --from a local folder or file")
 
 
 def option_name(name: str, value: Any = ...) -> str:

@@ -18,23 +18,20 @@ image_size, attn_pooler_heads, num_of_expert, split, k, moe_layers, use_ln_pre, 
 number of shared experts (`k = 1` for B and L, 2 for H, with one shared expert: spec §2.1).
 """
 
-import contextlib
 import json
 import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi, constants, snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from transformers.initialization import no_init_weights
 
 from ..configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, MoeVieConfig
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe_vie import MoeVieModel, rope_2d_inverse_frequencies
+from ..hub.sources import TOKENIZER_FILES, locate
 from ..processors.build import CLIP_TOKENIZER_REPO, load_clip_tokenizer, make_moe_vie_processor
-from ..hub.push import transport_errors
 from .common import ConversionResult, option_name
 
 
@@ -563,30 +560,14 @@ def add_arguments(parser) -> None:
 
 def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | None = None) -> ConversionResult:
     """The converter behind the command: the model, the official preprocessing and CLIP's tokenizer."""
+    # Found before the conversion, which takes minutes at paper scale: a tokenizer that cannot be had fails at once.
+    tokenizer_folder = locate(tokenizer or CLIP_TOKENIZER_REPO, "CLIP's tokenizer",
+                              how="pass --tokenizer with a local CLIP tokenizer folder", allow_patterns=TOKENIZER_FILES)
     model, report = convert_official_checkpoint(source, open_clip_config=open_clip_config)
     text_config = model.config.text_config
     processor = make_moe_vie_processor(
         model.config,
-        tokenizer=load_clip_tokenizer(tokenizer or _clip_tokenizer_folder(), text_config.max_position_embeddings),
+        tokenizer=load_clip_tokenizer(tokenizer_folder, text_config.max_position_embeddings),
         size=report["image_size"],
     )
     return ConversionResult(model, processor, report)
-
-
-def _clip_tokenizer_folder() -> str:
-    """CLIP's tokenizer from the Hub cache, else downloaded once the Hub answered one request: a download from an
-    unreachable Hub retries every file for minutes before it fails."""
-    with contextlib.suppress(LocalEntryNotFoundError):
-        return snapshot_download(CLIP_TOKENIZER_REPO, local_files_only=True)
-    hint = "pass --tokenizer with a local CLIP tokenizer folder (with HF_HUB_OFFLINE=1 set, nothing tries the network)"
-    if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"CLIP's tokenizer {CLIP_TOKENIZER_REPO} is not in the Hub cache and HF_HUB_OFFLINE "
-                                f"is set; {hint}")
-    try:
-        HfApi().model_info(CLIP_TOKENIZER_REPO)
-    except (HfHubHTTPError, *transport_errors()) as error:  # connection refused, DNS failure, timeouts, HTTP errors
-        raise FileNotFoundError(
-            f"cannot reach the Hub at {constants.ENDPOINT} to download CLIP's tokenizer {CLIP_TOKENIZER_REPO} "
-            f"({type(error).__name__}: {error}); {hint}"
-        ) from error
-    return snapshot_download(CLIP_TOKENIZER_REPO, allow_patterns=["*.json", "*.txt"])

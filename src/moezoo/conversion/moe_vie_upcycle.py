@@ -32,6 +32,7 @@ from transformers.image_utils import PILImageResampling
 from transformers.initialization import no_init_weights
 
 from ..configuration.moe_vie import MoeVieConfig
+from ..hub.sources import TOKENIZER_FILES, locate
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe_vie import MoeVieModel
 from ..processors.build import make_moe_vie_processor
@@ -368,13 +369,17 @@ def add_arguments(parser) -> None:
 def convert(source: Path, tokenizer: str | None = None, **options) -> ConversionResult:
     """The converter behind the command: the upcycled model, the source's tokenizer and matching preprocessing
     (NaFlex for `siglip2`, a fixed square for `siglip`, bilinear as SigLIP)."""
+    # Found before the upcycling, so that a tokenizer that cannot be had fails at once.
+    tokenizer_folder = source if tokenizer is None else locate(
+        tokenizer, "the tokenizer", "pass --tokenizer with a local tokenizer folder", TOKENIZER_FILES
+    )
     model, report = upcycle_siglip_checkpoint(source, **options)
     try:
         # SigLIP pools the last position of texts padded to the text tower's length (64), which the processor pads
         # to (`padding="max_length"`); SigLIP2's Gemma tokenizer does not know that length (Siglip2Processor passes
         # max_length=64 itself), so without it texts would not be padded and every text embedding would be wrong.
         text_tokenizer = AutoTokenizer.from_pretrained(
-            tokenizer or source, model_max_length=model.config.text_config.max_position_embeddings
+            tokenizer_folder, model_max_length=model.config.text_config.max_position_embeddings
         )
     except (OSError, ValueError) as error:
         # The first line says what failed; transformers goes on to list every config class it knows (hundreds).

@@ -41,9 +41,10 @@ from transformers import AutoTokenizer, Qwen3_5Model, Qwen3_5MoeModel
 from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbConfig
+from ..hub.sources import open_safetensors
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
-from .common import ConversionResult, open_safetensors, option_name, quiet_transformers_loading
+from .common import ConversionResult, option_name, quiet_transformers_loading
 
 
 VARIANTS = ("native", "upcycled", "modality")

@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
-from .common import open_safetensors, option_name
+from ..hub.sources import open_safetensors
+from .common import option_name
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)

@@ -16,9 +16,10 @@ import torch
 from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
 
 from ..configuration.mote import GlmOcrMoteConfig
+from ..hub.sources import source_name
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
-from .common import ConversionResult, quiet_transformers_loading, source_name
+from .common import ConversionResult, quiet_transformers_loading
 from .mote_common import (
     DTYPES,
     GLM_FFN,

@@ -20,9 +20,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
+from ..hub.sources import locate, source_name
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
-from .common import ConversionResult, load_safetensors, option_name, quiet_transformers_loading, source_name
+from .common import ConversionResult, load_safetensors, option_name, quiet_transformers_loading
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -100,7 +101,9 @@ def convert_llama_to_mote(
             experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
             mote_layers, base_model=source_name(folder),
         )
-    vision_folder = None if vision is None else Path(vision)
+    vision_folder = None if vision is None else locate(
+        vision, "the SigLIP checkpoint", f"give {option_name('vision')} a local folder"
+    )
     if vision_folder is None:
         config, model_class, prefix = LlamaMoteConfig(**text_fields), LlamaMoteForCausalLM, "model."
     else:
@@ -156,7 +159,7 @@ def convert_llama_to_mote(
                        else measure_videollm_routes(model, folder, vision_folder, dtype))
     report = conversion_report(model, folder, "llama", None if dense else construction, accounting, differences,
                                "the dense Llama's on synthetic inputs")  # fmt: skip
-    report["vision_source"] = None if vision_folder is None else str(vision_folder)
+    report["vision_source"] = None if vision_folder is None else source_name(vision_folder)
     if vision_folder is not None:
         report["projector_source"] = None if projector_from is None else str(projector_from)
         projector = (f"The projector is new (seed {seed}): train it before use." if projector_from is None

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from ..hub.sources import model_folder
 from ..processors.moe_vie import RESIZE_MODES
 from ..terminal import console, print_table, progress_bar
 from . import positive_int
@@ -532,7 +533,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     """`moezoo eval moe_vie` with the options of `add_eval_arguments`: results as tables, or as JSON with `--json`."""
-    from transformers import AutoConfig, AutoModel, AutoProcessor
+    from transformers import AutoModel, AutoProcessor
 
     if args.task != "zero-shot" and (args.templates or args.class_names):
         raise ValueError("--templates and --class-names apply to --task zero-shot only")
@@ -552,11 +553,9 @@ def run_eval(args: argparse.Namespace) -> int:
             retrieval, items=data.items, captions=data.captions, modality=modality, batch_size=args.batch_size
         )
 
-    model_type = AutoConfig.from_pretrained(args.model).model_type
-    if model_type != "moe_vie":
-        raise ValueError(f"{args.model} holds a {model_type!r} model; `moezoo eval moe_vie` needs a moe_vie one")
-    model = AutoModel.from_pretrained(args.model).to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    processor = AutoProcessor.from_pretrained(args.model)
+    folder, _ = model_folder(args.model, "`moezoo eval moe_vie`", ["moe_vie"])
+    model = AutoModel.from_pretrained(folder).to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    processor = AutoProcessor.from_pretrained(folder)
     if args.resize_mode:
         processor.image_processor.resize_mode = args.resize_mode
     results = {"model": str(args.model), "data": str(args.data), **evaluate(model, processor)}

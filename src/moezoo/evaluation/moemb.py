@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..hub.sources import model_folder
 from ..processors.moemb import IMAGE_TOKEN, mmeb_input, normalize_input
 from ..terminal import console, print_table, progress_bar
 from . import positive_int
@@ -319,12 +320,15 @@ def evaluate_mrmr(model, processor, source, tasks: Sequence[str] | None = None, 
     """NDCG@10 (Hit@1 for `hit_at_1_categories`) per MRMR task and per subtask (query category), and the mean over
     subtasks. `source` is a task folder or a folder of task folders."""
     source = Path(source)
+    expected = "expected an MRMR task folder (query, corpus and qrels tables) or a folder of them"
     if not source.is_dir():
-        raise FileNotFoundError(f"{source}: expected an MRMR task folder (query, corpus, qrels) or a folder of them")
+        raise FileNotFoundError(f"{source}: {expected}")
     if is_corpus_task(source):
         folders = {source.name: source}
     else:
         folders = {p.name: p for p in sorted(source.iterdir()) if p.is_dir()}
+    if not folders:
+        raise FileNotFoundError(f"{source} holds no task folder: {expected}")
     _check_task_names(folders, tasks, source)
     hit_categories = {category.lower() for category in hit_at_1_categories}
     rows, per_category = [], defaultdict(list)
@@ -417,9 +421,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..modeling.moemb import MoEmbForEmbedding
     from ..processors.moemb import MoEmbProcessor
 
-    model = MoEmbForEmbedding.from_pretrained(args.model)
+    folder, _ = model_folder(args.model, "`moezoo eval moemb`", ["moemb"])
+    model = MoEmbForEmbedding.from_pretrained(folder)
     model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    processor = MoEmbProcessor.from_pretrained(args.model)
+    processor = MoEmbProcessor.from_pretrained(folder)
     options = {"tasks": args.tasks, "limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length}
     if args.benchmark == "mmeb":
         results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)

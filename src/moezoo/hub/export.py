@@ -25,23 +25,8 @@ from ..registry import Architecture, get_architecture, resolve
 from .cards import render_model_card
 from .flatten import flatten_modules
 from .folders import atomic_output_dir, read_provenance, write_provenance
+from .sources import model_folder
 from .sentence_transformers_files import SENTENCE_TRANSFORMERS_MODULES, write_sentence_transformers_files
-
-
-def read_model_type(folder: Path) -> str:
-    expected = "export takes a model folder written by `moezoo create`, `moezoo convert`, `moezoo train` or save_pretrained"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}; {expected}")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; {expected}")
-    try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path} is not valid JSON ({error}); save the model again") from error
-    if not model_type:
-        raise ValueError(f"{config_path} has no model_type; cannot tell which architecture it is")
-    return model_type
 
 
 def load_model_checked(architecture: Architecture, folder: Path):
@@ -104,8 +89,9 @@ def export_folder(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
 ) -> Path:
-    source, out = Path(source), Path(out)
-    architecture = get_architecture(read_model_type(source))
+    out = Path(out)
+    source, model_type = model_folder(source, "`moezoo export`")
+    architecture = get_architecture(model_type)
     # The weights are read once `out` is claimed: a taken `out` fails at once, not after loading a large model.
     with atomic_output_dir(out, overwrite=overwrite) as staging:
         model = load_model_checked(architecture, source)

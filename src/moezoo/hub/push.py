@@ -8,16 +8,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import HfHubHTTPError
 
-
-def transport_errors() -> tuple[type[Exception], ...]:
-    """The network errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
-    errors: list[type[Exception]] = [OSError]
-    for module_name in ("httpx2", "httpx"):
-        try:
-            errors.append(__import__(module_name).TransportError)
-        except (ImportError, AttributeError):
-            continue
-    return tuple(errors)
+from .sources import transport_errors
 
 
 def check_exported(folder: Path) -> None:

@@ -31,12 +31,26 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import AutoModel, AutoTokenizer
 
+from ..hub.sources import MODEL_FILES, locate, source_name
+
 
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 # all-MiniLM-L6-v2 truncates at 256 word pieces (its sentence-transformers `max_seq_length`).
 DEFAULT_MAX_LENGTH = 256
 DESCRIPTIONS_FILE = "descriptions.json"
 EMBEDDINGS_FILE = "description_embeddings.safetensors"
+
+
+def load_encoder(name_or_path: str | Path):
+    """The sentence encoder `name_or_path` (a folder or a Hub id) and its tokenizer. Offline, a Hub id not in the Hub
+    cache fails at once with `moezoo.hub.sources.HubUnreachableError` (an `OSError`) naming it, not after minutes of
+    retries."""
+    folder = locate(
+        name_or_path, "the route selector's sentence-embedding model",
+        "pass encoder= a local folder of it (for the paper's, a copy of sentence-transformers/all-MiniLM-L6-v2)",
+        MODEL_FILES,
+    )
+    return AutoModel.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
 
 
 class MoteRouteSelector:
@@ -100,7 +114,7 @@ class MoteRouteSelector:
         cls, descriptions: Mapping[str, str] | None = None, encoder: str = DEFAULT_ENCODER, **kwargs
     ) -> MoteRouteSelector:
         """Load the encoder `encoder` (a Hub id or a folder) with `AutoModel` and build a selector with it."""
-        return cls(AutoModel.from_pretrained(encoder), AutoTokenizer.from_pretrained(encoder), descriptions, **kwargs)
+        return cls(*load_encoder(encoder), descriptions, **kwargs)
 
     @classmethod
     def from_config(
@@ -207,7 +221,7 @@ class MoteRouteSelector:
             "min_similarity": self.min_similarity,
             "default_route": self.default_route,
             "max_length": self.max_length,
-            "encoder": self.encoder.name_or_path,
+            "encoder": source_name(self.encoder.name_or_path),  # a Hub id, not its folder in this machine's cache
         }
         (folder / DESCRIPTIONS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         save_file({"embeddings": self.embeddings.contiguous()}, folder / EMBEDDINGS_FILE)
@@ -221,8 +235,7 @@ class MoteRouteSelector:
         folder = Path(folder)
         settings = json.loads((folder / DESCRIPTIONS_FILE).read_text())
         if encoder is None:
-            encoder = AutoModel.from_pretrained(settings["encoder"])
-            tokenizer = AutoTokenizer.from_pretrained(settings["encoder"])
+            encoder, tokenizer = load_encoder(settings["encoder"])
         embeddings = load_file(folder / EMBEDDINGS_FILE)["embeddings"]
         if embeddings.shape != (len(settings["descriptions"]), encoder.config.hidden_size):
             raise ValueError(

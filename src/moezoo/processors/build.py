@@ -6,6 +6,9 @@ paper-scale preset gets the real vocabulary from the Hub.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..hub.sources import TOKENIZER_FILES, locate
 from .moe_vie import MoeVieImageProcessor, MoeVieProcessor
 from .tiny_tokenizers import DEFAULT_WORDS, build_tiny_clip_tokenizer
 
@@ -20,17 +23,12 @@ SYNTHETIC_WORDS = (
 LARGEST_TINY_VOCABULARY = 1000
 
 
-def load_clip_tokenizer(name_or_path: str, model_max_length: int):
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+def load_clip_tokenizer(name_or_path: str | Path, model_max_length: int):
+    """CLIP's tokenizer from a folder or the Hub (see `moezoo.hub.sources.locate`)."""
     from transformers import CLIPTokenizer
 
-    try:
-        return CLIPTokenizer.from_pretrained(name_or_path, model_max_length=model_max_length)
-    except (OSError, HfHubHTTPError, LocalEntryNotFoundError) as error:
-        raise FileNotFoundError(
-            f"cannot load the CLIP tokenizer {name_or_path!r} ({error}); pass --tokenizer with a local tokenizer "
-            "folder when offline"
-        ) from error
+    folder = locate(name_or_path, "CLIP's tokenizer", allow_patterns=TOKENIZER_FILES)
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=model_max_length)
 
 
 def check_tokenizer_matches(tokenizer, text_config) -> None:

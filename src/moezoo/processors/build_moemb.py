@@ -10,6 +10,7 @@ from __future__ import annotations
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
+from ..hub.sources import TOKENIZER_FILES, locate
 from .moemb import (
     EMB_TOKEN,
     IM_END,
@@ -83,16 +84,11 @@ def build_tiny_qwen_tokenizer(
 
 
 def load_qwen_tokenizer(name_or_path: str, emb_token: str = EMB_TOKEN):
-    """Qwen3.5's tokenizer from a folder or the Hub, with `emb_token` added."""
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    """Qwen3.5's tokenizer from a folder or the Hub (see `moezoo.hub.sources.locate`), with `emb_token` added."""
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, HfHubHTTPError, LocalEntryNotFoundError) as error:
-        raise FileNotFoundError(
-            f"cannot load the Qwen3.5 tokenizer {name_or_path!r} ({error}); pass a local tokenizer folder when offline"
-        ) from error
+    folder = locate(name_or_path, "Qwen3.5's tokenizer", allow_patterns=TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     add_emb_token(tokenizer, emb_token)
     return tokenizer
 

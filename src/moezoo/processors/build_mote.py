@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorPil
 
+from ..hub.sources import TOKENIZER_FILES, locate
 from .mote import (
     COIN_TASK_PROMPTS,
     GLM_CHAT_TEMPLATE,
@@ -110,14 +111,8 @@ def _first_id(token_ids) -> int:
 
 
 def _load_tokenizer(repo: str):
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return AutoTokenizer.from_pretrained(repo)
-    except (OSError, HfHubHTTPError, LocalEntryNotFoundError) as error:
-        raise FileNotFoundError(
-            f"cannot load the tokenizer {repo!r} ({error}); pass a local tokenizer when offline"
-        ) from error
+    """A paper-scale model's tokenizer from the Hub (see `moezoo.hub.sources.locate`)."""
+    return AutoTokenizer.from_pretrained(locate(repo, "the tokenizer", allow_patterns=TOKENIZER_FILES))
 
 
 # --- VideoLLM-MoTE and the text-only LlamaMote -----------------------------------------------------------------------

@@ -73,7 +73,7 @@ def training_output_dir(out: str | Path, overwrite: bool = False):
             error_console.print(escape(  # the paths are the user's: "[...]" in them is not markup
                 f"training stopped; its checkpoints are kept in {checkpoints}: run the same command again with "
                 f"--resume (Python: resume=True) to continue from {Path(last).name}"
-            ))
+            ), soft_wrap=True)  # not wrapped at 80 columns when piped: the paths stay whole for copy-paste
         raise
     shutil.rmtree(checkpoints, ignore_errors=True)
 

@@ -25,6 +25,7 @@ from transformers import Trainer, set_seed
 
 from .. import __version__
 from ..hub.folders import read_provenance, write_provenance
+from ..hub.sources import model_folder
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
@@ -226,8 +227,9 @@ def train_moe_vie(
     and the routing heatmap to `out`. Returns the final metrics."""
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
-    model = MoeVieModel.from_pretrained(model_dir)
-    processor = MoeVieProcessor.from_pretrained(model_dir)
+    folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
+    model = MoeVieModel.from_pretrained(folder)
+    processor = MoeVieProcessor.from_pretrained(folder)
     if options.loss_type:
         set_loss_type(model, options.loss_type)
     if options.video:
@@ -276,7 +278,7 @@ def train_moe_vie(
             "lora_r": options.lora_r or None,
             **({"frozen_parameters": freeze_counts["frozen"]} if options.video else {}),
         }
-        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
     return training
 

@@ -53,6 +53,7 @@ from transformers import Trainer, set_seed
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
 from ..hub.folders import read_provenance, write_provenance
+from ..hub.sources import model_folder
 from ..modeling.moe.experts import SwiGLUExperts
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
@@ -522,6 +523,7 @@ def train_moemb(
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
     checkpoint = checkpoint_to_resume(out, options)
+    folder, _ = model_folder(model_dir, "`moezoo train moemb`", ["moemb"])
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
     eval_dataset = None if eval_data is None else load_mmeb_dataset(eval_data, image_root, options.negatives)
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
@@ -530,8 +532,8 @@ def train_moemb(
     if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
         raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
                          f"{options.chunk_size}")  # fmt: skip
-    model = MoEmbForEmbedding.from_pretrained(model_dir, dtype=torch.bfloat16 if options.bf16 else torch.float32)
-    processor = MoEmbProcessor.from_pretrained(model_dir)
+    model = MoEmbForEmbedding.from_pretrained(folder, dtype=torch.bfloat16 if options.bf16 else torch.float32)
+    processor = MoEmbProcessor.from_pretrained(folder)
     if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
         raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
     # Before the adapters' random initialisation: the Trainer seeds only what comes after it.
@@ -590,7 +592,7 @@ def train_moemb(
         }
         if eval_dataset is not None:  # evaluated at the last step too (the Trainer does when it ends)
             training["eval_loss"] = round([log["eval_loss"] for log in logs if "eval_loss" in log][-1], 4)
-        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
     return training
 

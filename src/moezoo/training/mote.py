@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainingArguments, set_seed
 
 from .. import __version__
-from ..hub.export import read_model_type
 from ..hub.folders import read_provenance, write_provenance
+from ..hub.sources import MODEL_FILES, locate, model_folder
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
@@ -388,14 +388,12 @@ class MoteTrainingOptions:
 
 def load_mote_model(model_dir: str | Path):
     """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder."""
-    model_type = read_model_type(Path(model_dir))
-    if model_type not in TRAINABLE:
-        raise ValueError(
-            f"{model_dir} holds a {model_type!r} model; `moezoo train mote` trains {', '.join(TRAINABLE)} (train the "
-            "text-only LlamaMote with TRL's SFTTrainer and TaskIdsCollator)"
-        )
+    folder, model_type = model_folder(
+        model_dir, "`moezoo train mote`", TRAINABLE,
+        other_types="train the text-only Llama-MoTE with TRL's SFTTrainer and TaskIdsCollator",
+    )
     model_class, processor_class = TRAINABLE[model_type]
-    return model_class.from_pretrained(model_dir), processor_class.from_pretrained(model_dir)
+    return model_class.from_pretrained(folder), processor_class.from_pretrained(folder)
 
 
 def load_dense_base(model, path: str | Path | None = None):
@@ -407,7 +405,8 @@ def load_dense_base(model, path: str | Path | None = None):
             "init_from='dense' copies the FFNs of the dense base model, and this model records none "
             "(mote_base_model): give its folder or Hub id (`--base-model`)"
         )
-    return DENSE_BASE_CLASSES[model.config.model_type].from_pretrained(path)
+    folder = locate(path, "the dense base model", "give --base-model (base_model=) a local folder", MODEL_FILES)
+    return DENSE_BASE_CLASSES[model.config.model_type].from_pretrained(folder)
 
 
 def load_mote_dataset(source: str | Path | datasets.Dataset, tasks: Sequence[str] = ()) -> datasets.Dataset:
@@ -541,7 +540,9 @@ def train_mote(
             "frozen_parameters": counts["frozen"],
             "lora_r": options.lora_r or None,
         }
-        write_provenance(staging, read_provenance(model_dir) | {"training": training, "moezoo_version": __version__})
+        # model.name_or_path: the folder the model was read from (a Hub model's in the Hub cache)
+        provenance = read_provenance(model.name_or_path) | {"training": training, "moezoo_version": __version__}
+        write_provenance(staging, provenance)
         console.print(f"wrote {plot.name}")
     return training
 
