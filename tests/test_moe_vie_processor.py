@@ -358,7 +358,7 @@ def test_unknown_resize_mode_is_rejected_at_construction():
         ([], {}, "`videos` is an empty list"),
         ([[]], {}, "Video 0 has no frames"),
         ([np.zeros((0, 16, 16, 3), np.uint8)], {}, "Video 0 has no frames"),
-        (np.zeros((16, 16, 3), np.uint8), {}, "pass a single frame as a one-frame video"),
+        (np.zeros((16, 16, 3), np.uint8), {}, r"pass a one-frame video as \[frame\]"),
         ([[np.zeros((20, 28, 3), np.uint8), np.zeros((32, 16, 3), np.uint8)]], {"resize_mode": "naflex"}, "same size"),
         ([np.zeros((2, 16, 16, 3), np.uint8)], {"num_frames": 0}, "num_frames must be a positive integer"),
     ],

@@ -349,7 +349,7 @@ def test_remote_code_loads_with_auto_processor_without_moezoo(architecture, vide
     config = json.loads((folder / "processor_config.json").read_text())
     assert config["auto_map"]["AutoProcessor"] == f"mote.{type(processor).__name__}"
     assert config["expert_names"] == processor.expert_names
-    assert (folder / "mote.py").is_file() and (folder / "video.py").is_file()
+    assert (folder / "mote.py").is_file() and (folder / "inputs.py").is_file()
 
     rng = np.random.default_rng(0)
     if architecture == "videollm":

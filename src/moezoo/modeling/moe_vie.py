@@ -722,8 +722,20 @@ class MoeVieModel(MoeViePreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeVieOutput:
         """Texts against images (`pixel_values`, ...) or against videos (`pixel_values_videos`, ...)."""
-        if (pixel_values is None) == (pixel_values_videos is None):
-            raise ValueError("pass either images (pixel_values, ...) or videos (pixel_values_videos, ...), not both")
+        if pixel_values is not None and pixel_values_videos is not None:
+            raise ValueError(
+                "MoeVieModel compares texts with images or with videos, not both: call it once with "
+                "processor(text=..., images=...) and once with processor(text=..., videos=...)"
+            )
+        if input_ids is None or (pixel_values is None and pixel_values_videos is None):
+            # At most one of the three is given here.
+            given = [name for name, value in (("text", input_ids), ("images", pixel_values),
+                                              ("videos", pixel_values_videos)) if value is not None]  # fmt: skip
+            raise ValueError(
+                f"MoeVieModel compares texts with images or videos, got {given[0] + ' only' if given else 'nothing'}: "
+                "pass the output of processor(text=..., images=...) or processor(text=..., videos=...), or embed one "
+                "modality alone with get_text_features, get_image_features or get_video_features"
+            )
         is_video = pixel_values_videos is not None
         vision_config = self.config.vision_config
         use_aux_loss = bool(return_loss) and vision_config.router_aux_loss_type != "none"

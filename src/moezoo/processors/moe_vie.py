@@ -32,7 +32,6 @@ from transformers.image_utils import (
     PILImageResampling,
     SizeDict,
     is_pil_image,
-    is_valid_image,
 )
 from transformers.models.siglip2.image_processing_pil_siglip2 import (
     convert_image_to_patches,
@@ -41,11 +40,9 @@ from transformers.models.siglip2.image_processing_pil_siglip2 import (
 )
 from transformers.processing_utils import ImagesKwargs, ProcessingKwargs, ProcessorMixin, Unpack
 
-from .video import make_list_of_videos
+from .inputs import SUPPORTED_NUM_CHANNELS, ChecksInputs, check_images, make_list_of_videos
 
 RESIZE_MODES = ("square", "center_crop", "naflex")
-# Greyscale, RGB and RGBA: the channel counts `convert_to_rgb` turns into RGB.
-SUPPORTED_NUM_CHANNELS = (1, 3, 4)
 
 
 class MoeVieImageProcessorKwargs(ImagesKwargs, total=False):
@@ -80,22 +77,13 @@ def check_resize_mode(resize_mode: str) -> None:
         raise ValueError(f"Unknown resize_mode {resize_mode!r}: use one of {', '.join(map(repr, RESIZE_MODES))}.")
 
 
-def missing_channel_axis_error(shape: tuple[int, ...]) -> ValueError:
-    return ValueError(
-        f"Expected an image of shape (height, width, channels) or (channels, height, width), got shape "
-        f"{tuple(shape)}. Add a channel axis to greyscale arrays (e.g. `image[..., None]`)."
-    )
-
-
 def infer_channel_layout(shape: tuple[int, ...], input_data_format: str | ChannelDimension | None) -> ChannelDimension:
     """
     Return the channel layout of a numpy or torch image of shape `shape`, checking its channel count.
 
-    transformers guesses "channels first" when both ends of the shape could be channels and fails with an unhelpful
-    message when neither can; both cases are user errors that deserve an explanation, so they raise here.
+    transformers guesses "channels first" when both ends of the shape could be channels: a user error that deserves an
+    explanation, so it raises here. (`check_images` has already refused shapes without a channel axis at either end.)
     """
-    if len(shape) != 3:
-        raise missing_channel_axis_error(shape)
     if input_data_format is not None:
         layout = ChannelDimension(input_data_format)
         num_channels = shape[0] if layout == ChannelDimension.FIRST else shape[-1]
@@ -106,17 +94,11 @@ def infer_channel_layout(shape: tuple[int, ...], input_data_format: str | Channe
             )
         return layout
     channels_first = shape[0] in SUPPORTED_NUM_CHANNELS
-    channels_last = shape[-1] in SUPPORTED_NUM_CHANNELS
-    if channels_first and channels_last:
+    if channels_first and shape[-1] in SUPPORTED_NUM_CHANNELS:
         raise ValueError(
             f"The channel axis of an image of shape {tuple(shape)} is ambiguous: both its first and last axes could "
             "hold the channels. Pass input_data_format='channels_last' for (height, width, channels) arrays or "
             "'channels_first' for (channels, height, width) ones."
-        )
-    if not (channels_first or channels_last):
-        raise ValueError(
-            f"An image of shape {tuple(shape)} has no channel axis of size {SUPPORTED_NUM_CHANNELS} (greyscale, RGB, "
-            "RGBA) first or last. Convert it to one of these, channels first or last."
         )
     return ChannelDimension.FIRST if channels_first else ChannelDimension.LAST
 
@@ -207,16 +189,10 @@ class MoeVieImageProcessor(PilBackend):
         check_resize_mode(self.resize_mode)
 
     def _prepare_images_structure(self, images: ImageInput, expected_ndims: int = 3) -> list:
-        # transformers rejects a 2-D (greyscale) array with "Could not make a flat list of images" before
-        # `process_image` could say what is missing.
-        for image in images if isinstance(images, (list, tuple)) else [images]:
-            if is_valid_image(image) and not is_pil_image(image) and image.ndim == 2:
-                raise missing_channel_axis_error(image.shape)
-        images = super()._prepare_images_structure(images, expected_ndims=expected_ndims)
-        # An empty list passes transformers' structure check and would fail later with an obscure stacking error.
-        if len(images) == 0:
-            raise ValueError("`images` is empty: pass at least one image.")
-        return images
+        # transformers fails on a greyscale array without a channel axis, a number or a dict with messages that do not
+        # say what to pass, and lets an empty list through to an obscure stacking error.
+        check_images(images)
+        return super()._prepare_images_structure(images, expected_ndims=expected_ndims)
 
     def process_image(self, image, input_data_format: str | ChannelDimension | None = None, **kwargs) -> np.ndarray:
         """Check the channel layout of array inputs, then convert to a channels-first RGB array like `PilBackend`."""
@@ -399,14 +375,22 @@ class MoeVieProcessingKwargs(ProcessingKwargs, total=False):
     videos_kwargs: MoeVieVideosKwargs
 
 
-class MoeVieProcessor(ProcessorMixin):
+class MoeVieProcessor(ChecksInputs, ProcessorMixin):
     r"""
     Processor for MoE-ViE: a [`MoeVieImageProcessor`] for images and video frames and a CLIP tokenizer for text.
 
     `processor(text=..., images=..., videos=..., return_tensors="pt")` returns one `BatchFeature` with the keys of
     whichever inputs were given: `input_ids` and `attention_mask`; `pixel_values`, `pixel_attention_mask` and
     `spatial_shapes`; and the video keys of [`MoeVieVideoProcessor`]. Keyword arguments are routed to the part that
-    accepts them (`padding="longest"` to the tokenizer, `size=112` to images and videos, `num_frames=4` to videos).
+    accepts them (`padding="longest"` to the tokenizer, `size=112` to images and videos, `num_frames=4` to videos);
+    one that no part takes is an error.
+
+    `text` is a string or a list of strings; `images` one image or a list of images; `videos` one video or a list of
+    videos, a video being a list of frames or a `(num_frames, height, width, channels)` array. A flat list of frames
+    is one video, so `videos=[frame]` is a one-frame video and `videos=[[frame]]` a batch of one; a frame alone
+    (`videos=frame`) is refused, since a still image belongs in `images=`. The model compares texts with images or
+    with videos, so it needs `text` and one of `images` and `videos`; the processor also serves one modality at a
+    time, for `get_text_features`, `get_image_features` and `get_video_features`.
 
     Text is padded to the tokenizer's `model_max_length` and truncated by default, like the official tokenizer
     (which keeps the end-of-text token last); pass `padding="longest"` for shorter batches. Both give the same text
@@ -433,12 +417,6 @@ class MoeVieProcessor(ProcessorMixin):
         # Built on access, not stored: the image processor and `num_frames` keep a single owner, and ProcessorMixin
         # does not try to save or load it as a sub-processor (transformers' video processors need torchvision).
         return MoeVieVideoProcessor(self.image_processor, num_frames=self.num_frames)
-
-    def validate_inputs(self, images=None, text=None, videos=None, audio=None, **kwargs):
-        super().validate_inputs(images=images, text=text, videos=videos, audio=audio, **kwargs)
-        # The image and video processors reject their own empty lists; the tokenizer would return an empty batch.
-        if isinstance(text, (list, tuple)) and len(text) == 0:
-            raise ValueError("`text` is an empty list: pass at least one string.")
 
     @property
     def model_input_names(self) -> list[str]:

@@ -37,7 +37,7 @@ re-implements it on PIL and numpy: the same frame sampling, `smart_resize` and p
 PIL's bicubic filter rather than torchvision's, which differs by a few intensity levels on resampled pixels.
 
 This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
-numpy and transformers it imports only from `images.py` and `video.py`, which are copied beside it.
+numpy and transformers it imports only from `images.py` and `inputs.py`, which are copied beside it.
 """
 
 import re
@@ -52,7 +52,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from transformers.processing_utils import ProcessorMixin
 
 from .images import open_image
-from .video import is_frame
+from .inputs import check_image, describe
 
 EMB_TOKEN = "<emb>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -152,13 +152,12 @@ def load_frames(video) -> list:
         if not frames:
             raise ValueError(f"the video folder {folder} holds no frame images ({', '.join(FRAME_SUFFIXES)})")
         return [str(path) for path in frames]
-    if is_valid_image(video) and getattr(video, "ndim", 0) == 4:
-        return list(video)
-    if isinstance(video, (list, tuple)) and len(video) > 0:
-        return list(video)
+    if (is_valid_image(video) and getattr(video, "ndim", 0) == 4) or isinstance(video, (list, tuple)):
+        if len(video) > 0:
+            return list(video)
     raise ValueError(
         f"a video must be a non-empty list of frames, a (frames, height, width, channels) array or a folder of frames, "
-        f"got {type(video).__name__}"
+        f"got {describe(video)}" + (" (a still image goes in 'images')" if is_valid_image(video) else "")
     )
 
 
@@ -184,8 +183,10 @@ class MoEmbVideoProcessor:
         processor = self.image_processor
         factor = processor.patch_size * processor.merge_size
         pixel_values, grids, seconds = [], [], []
-        for video in videos:
+        for index, video in enumerate(videos):
             frames = load_frames(video)
+            for number, frame in enumerate(frames):
+                check_image(frame, f"video {index}, frame {number}", paths=True)
             indices = sample_frame_indices(len(frames), self.num_frames)
             frames = [processor.process_image(_open(frames[i]), do_convert_rgb=True) for i in indices]
             sizes = {frame.shape[-2:] for frame in frames}
@@ -399,6 +400,11 @@ class MoEmbProcessor(ProcessorMixin):
     def _batch(self, items, padding_side: str, max_length: int | None, return_tensors: str | None) -> BatchFeature:
         if isinstance(items, (str, dict)):
             raise ValueError("pass a list of inputs, even for a single one: [input]")
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(
+                f"the inputs are {describe(items)}; pass a list of inputs, each a text or a dict with keys among "
+                f"{', '.join(INPUT_KEYS)}"
+            )
         items = [normalize_input(item, index) for index, item in enumerate(items)]
         if not items:
             raise ValueError("no inputs to process: pass at least one")
@@ -519,13 +525,7 @@ def normalize_input(item, index: int = 0) -> dict:
     for number, image in enumerate(images):
         # The image processor would take a 4D array or a nested list for several images, while the prompt gets one
         # placeholder per entry: the visual tokens would no longer match the pixels.
-        if not (is_frame(image) or isinstance(image, (str, Path))):
-            shape = f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else ""
-            raise ValueError(
-                f"input {index}: image {number} is a {type(image).__name__}{shape}; each image must be a PIL image, "
-                "a (height, width, channels) or (channels, height, width) array, or a path: list several images one "
-                "by one, and add a channel axis to greyscale arrays"
-            )
+        check_image(image, f"input {index}: image {number}", paths=True)
     for key in ("instruction", "text"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ValueError(f"input {index}: {key!r} must be a string, got {type(item[key]).__name__}")

@@ -19,7 +19,7 @@ The A.5 task prompts (`task_prompt`), answer formats (`format_answer`) and GLM-O
 `kie_prompt`) are here too, so that data sets, training and evaluation render exactly what the models read and write.
 
 This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
-numpy and transformers it imports only from `video.py`, which is copied beside it.
+numpy and transformers it imports only from `inputs.py`, which is copied beside it.
 """
 
 import math
@@ -27,11 +27,11 @@ import math
 import numpy as np
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
-from transformers.image_utils import PILImageResampling, SizeDict
+from transformers.image_utils import PILImageResampling, SizeDict, make_flat_list_of_images
 from transformers.models.glm46v.processing_glm46v import Glm46VProcessor
 from transformers.processing_utils import ImagesKwargs, ProcessorMixin, TextKwargs, Unpack
 
-from .video import make_list_of_videos
+from .inputs import ChecksInputs, check_texts, describe, make_list_of_videos
 
 
 IGNORE_INDEX = -100  # labels of unsupervised positions
@@ -136,8 +136,15 @@ class MoteRoutingMixin:
         if task is None:
             selected = route_selector.select([self.user_prompt(text) for text in texts])
             names = [route_selector.names[index] for index in selected.tolist()]
+        elif isinstance(task, str):
+            names = [task] * len(texts)
+        elif isinstance(task, (list, tuple)) and all(isinstance(name, str) for name in task):
+            names = list(task)
         else:
-            names = [task] * len(texts) if isinstance(task, str) else list(task)
+            raise ValueError(
+                f"`task` is {describe(task)}; pass a task name, or a list of one name per text, among "
+                f"{self.expert_names} (names, not route ids)."
+            )
         if len(names) != len(texts):
             raise ValueError(f"Got {len(names)} task names for {len(texts)} texts: pass one name, or one per text.")
         expert_names = list(self.expert_names or ())
@@ -168,10 +175,8 @@ def add_task_ids(inputs: BatchFeature, route_ids: list[int] | None, return_tenso
 
 
 def as_text_list(text) -> list[str]:
-    texts = [text] if isinstance(text, str) else text
-    if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError(f"`text` must be a string or a non-empty list of strings, got {type(text).__name__}.")
-    return list(texts)
+    check_texts(text)
+    return [text] if isinstance(text, str) else list(text)
 
 
 # --- GLM-OCR-MoTE ---------------------------------------------------------------------------------------------------
@@ -191,7 +196,7 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
-class GlmOcrMoteProcessor(MoteRoutingMixin, Glm46VProcessor):
+class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
     r"""
     Processor for GLM-OCR-MoTE: GLM-OCR's image processor and tokenizer, images only, plus task routes.
 
@@ -233,9 +238,23 @@ class GlmOcrMoteProcessor(MoteRoutingMixin, Glm46VProcessor):
         """
         if videos is not None:
             raise ValueError("GLM-OCR-MoTE's processor takes images only; pass video frames as images.")
+        if text is None and (task is not None or route_selector is not None):
+            raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
         inputs = super().__call__(images=images, text=text, **kwargs)
         route_ids = None if text is None else self.route_ids(task, route_selector, as_text_list(text))
         return add_task_ids(inputs, route_ids, kwargs.get("return_tensors"))
+
+    def validate_inputs(self, images=None, text=None, **kwargs):
+        # transformers counts the placeholders too, but does not say how to write them.
+        num_images = 0 if images is None else len(make_flat_list_of_images(images))
+        num_placeholders = 0 if text is None else sum(prompt.count(self.image_token) for prompt in text)
+        if text is not None and num_placeholders != num_images:
+            raise ValueError(
+                f"The text holds {num_placeholders} {self.image_token} placeholder(s) for {num_images} image(s): write "
+                f"one per image, e.g. with processor.render_prompt(prompt, num_images={num_images}) or the chat "
+                "template."
+            )
+        super().validate_inputs(images=images, text=text, **kwargs)
 
     def render_prompt(self, prompt: str, num_images: int = 1) -> str:
         """A user turn with `num_images` images followed by `prompt`, and the generation prompt."""
