@@ -224,13 +224,14 @@ class MoeVieTextConfig(PreTrainedConfig):
         _require_activation(self, "hidden_act")
         _require_choice(self, "pooling_type", ("eos", "last"))
         _require_divides(self, "num_attention_heads", "hidden_size")
-        if self.pooling_type == "eos" and not (
-            _is_non_negative_int(self.eos_token_id) and self.eos_token_id < self.vocab_size
-        ):
+        if self.pooling_type == "eos" and not _is_non_negative_int(self.eos_token_id):
             raise ValueError(
-                f"{type(self).__name__}.eos_token_id must be a token id below vocab_size={self.vocab_size} with "
-                f"pooling_type='eos' (the text is pooled at its first EOS), got {self.eos_token_id!r}"
+                f"{type(self).__name__}.eos_token_id must be a token id with pooling_type='eos' (the text is pooled "
+                f"at its first EOS), got {self.eos_token_id!r}"
             )
+        # A special token id outside the vocabulary is only warned about, as transformers' own configs do: configs on
+        # the Hub store such ids, and the forward names an EOS missing from the texts.
+        self.validate_token_ids()
 
 
 class MoeVieConfig(PreTrainedConfig):

@@ -426,9 +426,10 @@ class MoeVieMultiheadAttentionPoolingHead(nn.Module):
 # --- pretrained models --------------------------------------------------------------------------------------------
 
 
-class MoeViePreTrainedModel(MoePreTrainedMixin, PreTrainedModel):
-    """`MoePreTrainedMixin` makes `experts_implementation` switchable although the experts live in the core (the
-    transformers heuristic only reads this file) and registers moezoo's experts implementation."""
+class MoeViePreTrainedModel(PreTrainedModel):
+    """What the three models share. The two that hold the sparse vision tower add `MoePreTrainedMixin`, which makes
+    `experts_implementation` switchable although the experts live in the core (the transformers heuristic only reads
+    this file) and registers moezoo's experts implementation; the text tower is dense and has neither."""
 
     config: MoeVieConfig
     base_model_prefix = "moe_vie"
@@ -446,8 +447,6 @@ class MoeViePreTrainedModel(MoePreTrainedMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    # The balancing bias moves by ~1e-3 per step: bf16 would round most updates away.
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
 
     def _init_weights(self, module):
         if init_moe_module(module, self.config.initializer_range):
@@ -463,7 +462,7 @@ class MoeViePreTrainedModel(MoePreTrainedMixin, PreTrainedModel):
                 init.constant_(module.logit_bias, self.config.logit_bias_init_value)
 
 
-class MoeVieVisionModel(MoeViePreTrainedModel):
+class MoeVieVisionModel(MoePreTrainedMixin, MoeViePreTrainedModel):
     """The vision tower. `last_hidden_state` holds the patch tokens (what a VLM projector reads), `pooler_output`
     the attention-pooled features before the projection."""
 
@@ -477,6 +476,9 @@ class MoeVieVisionModel(MoeViePreTrainedModel):
         "attentions": OutputRecorder(MoeVieAttention, index=1),
         "router_logits": OutputRecorder(TopKRouter, index=0),
     }
+    # The balancing bias moves by ~1e-3 per step: bf16 would round most updates away. (MoeVieModel collects this
+    # from its vision tower.)
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
 
     def __init__(self, config: MoeVieVisionConfig):
         super().__init__(config)
@@ -591,7 +593,7 @@ class MoeVieTextModel(MoeViePreTrainedModel):
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
 
-class MoeVieModel(MoeViePreTrainedModel):
+class MoeVieModel(MoePreTrainedMixin, MoeViePreTrainedModel):
     """The dual encoder. Also the class for `AutoModelForZeroShotImageClassification`: `forward` takes the
     processor's `input_ids`, `attention_mask`, `pixel_values`, `pixel_attention_mask`, `spatial_shapes` and returns
     `logits_per_image`."""
