@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 
 from . import __version__
 from .bench.timing import add_device_arguments, add_threads_argument, apply_threads
-from .terminal import error_console
+from .terminal import VERBOSE_VARIABLE, error_console, quiet_libraries
 
 
 # What a user can fix (a wrong argument, path or file, no network, a missing package): one error line, no traceback.
@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     # A kill stops a command as Ctrl-C does (Python's default would end the process at once): output folders being
     # written are removed and an interrupted training run says how to resume (moezoo.hub.folders, training.arguments).
     previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.verbose:
+        os.environ[VERBOSE_VARIABLE] = "1"
     try:
-        return args.run(args) or 0
+        with quiet_libraries():  # commands show their own progress; the libraries' only with --verbose
+            return args.run(args) or 0
     except KeyboardInterrupt:
         if debug:
             raise
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moezoo {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of errors (as does the environment variable MOEZOO_DEBUG=1)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the progress bars, logging and warnings of transformers, datasets and "
+                             "huggingface_hub, hidden by default (as does MOEZOO_VERBOSE=1)")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_list(commands)
     _add_create(commands)

@@ -8,14 +8,11 @@ source model (`provenance["max_abs_diff"]`), which the model card reports.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.utils import logging as transformers_logging
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
@@ -46,19 +43,6 @@ def option_name(name: str, value: Any = ...) -> str:
     if value is ...:
         return f"{flag} ({name}=)"
     return f"{flag} {value} ({name}={value!r})"
-
-
-@contextmanager
-def quiet_transformers_loading() -> Iterator[None]:
-    """Silence transformers' warnings while loading, such as its LOAD REPORT tables of missing and unexpected keys:
-    the callers expect those keys (a dual encoder loaded as its vision tower, a source's dropped heads) or account for
-    every tensor themselves."""
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(verbosity)
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -44,7 +44,8 @@ from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbC
 from ..hub.sources import open_safetensors
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
-from .common import ConversionResult, option_name, quiet_transformers_loading
+from ..terminal import quiet_libraries
+from .common import ConversionResult, option_name
 
 
 VARIANTS = ("native", "upcycled", "modality")
@@ -595,7 +596,7 @@ def measure_differences(source: str | Path, converted: MoEmbForEmbedding) -> dic
     the router logits. `converted` must be in fp32."""
     config = converted.config
     native = config.moe_variant == "native"
-    with quiet_transformers_loading():  # the source's lm_head and mtp.* are not part of the base model
+    with quiet_libraries():  # the source's lm_head and mtp.* are not part of the base model
         if native:
             reference = Qwen3_5MoeModel.from_pretrained(source, dtype=torch.float32, experts_implementation="eager")
         else:

@@ -19,7 +19,8 @@ from ..configuration.mote import GlmOcrMoteConfig
 from ..hub.sources import source_name
 from ..modeling.mote import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
-from .common import ConversionResult, quiet_transformers_loading
+from ..terminal import quiet_libraries
+from .common import ConversionResult
 from .mote_common import (
     DTYPES,
     GLM_FFN,
@@ -129,7 +130,7 @@ def convert_glm_ocr_to_mote(
 @torch.no_grad()
 def measure_routes(model: GlmOcrMoteForConditionalGeneration, folder: Path, dtype: torch.dtype) -> dict[str, float]:
     """max |logits| difference of every route against the source GLM-OCR on synthetic inputs."""
-    with quiet_transformers_loading():  # the source's MTP layer is not part of GlmOcrForConditionalGeneration
+    with quiet_libraries():  # the source's MTP layer is not part of GlmOcrForConditionalGeneration
         reference = GlmOcrForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).eval()
     inputs = synthetic_inputs(model.config)
     expected = reference(**inputs).logits

@@ -23,7 +23,8 @@ from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConf
 from ..hub.sources import locate, source_name
 from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
-from .common import ConversionResult, load_safetensors, option_name, quiet_transformers_loading
+from ..terminal import quiet_libraries
+from .common import ConversionResult, load_safetensors, option_name
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -270,7 +271,7 @@ def _initialise_projector(writer: StateWriter, model, std: float, seed: int) -> 
 
 @torch.no_grad()
 def measure_llama_routes(model: LlamaMoteForCausalLM, folder: Path, dtype: torch.dtype) -> dict[str, float]:
-    with quiet_transformers_loading():
+    with quiet_libraries():
         reference = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
@@ -286,7 +287,7 @@ def measure_videollm_routes(
     """Two examples with two frames each. The reference runs the source SigLIP, the (shared, new) projector and the
     dense Llama on embeddings; `"vision_tower"` is the difference of the frame tokens."""
     config = model.config
-    with quiet_transformers_loading():  # the vision tower of a dual encoder: the text tower's keys are unexpected
+    with quiet_libraries():  # the vision tower of a dual encoder: the text tower's keys are unexpected
         reference_llm = LlamaForCausalLM.from_pretrained(str(llm), dtype=dtype).eval()
         reference_vision = SiglipVisionModel.from_pretrained(str(vision), dtype=dtype).eval()
     inputs = synthetic_video_inputs(config)

@@ -19,9 +19,9 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from .. import __version__
-from ..conversion.common import quiet_transformers_loading
 from ..modeling.moe.accounting import count_parameters
 from ..registry import Architecture, get_architecture, resolve
+from ..terminal import quiet_libraries
 from .cards import render_model_card
 from .flatten import flatten_modules
 from .folders import atomic_output_dir, read_provenance, write_provenance
@@ -36,7 +36,7 @@ def load_model_checked(architecture: Architecture, folder: Path):
     """
     model_class = architecture.model_class()
     try:
-        with quiet_transformers_loading():
+        with quiet_libraries():
             model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
     except (RuntimeError, ValueError, OSError, SafetensorError) as error:
         raise ValueError(f"cannot load {folder} as {architecture.title}: {error}") from error
