@@ -125,7 +125,9 @@ MOEMB_CASES = {
     "video empty": (lambda p: p([{"video": []}]), ValueError, "a video must be a non-empty list of frames"),
     "video nested": (lambda p: p([{"video": [[IMAGE]]}]), ValueError, "video 0, frame 0 is a list; each image must"),
     "video greyscale": (lambda p: p([{"video": [GREY, GREY]}]), ValueError, "video 0, frame 0 .* Add a channel axis"),
-    "an option nobody takes": (lambda p: p(["a cat"], sise=112), TypeError, "unexpected keyword argument 'sise'"),
+    "an option nobody takes": (lambda p: p(["a cat"], sise=112), ValueError, "MoEmbProcessor has no option sise"),
+    "transformers' text= and images=": (lambda p: p(text=["a cat"], images=[IMAGE]), ValueError,
+                                        r"no option images, text: pass a list of inputs, each a text or a dict"),
 }  # fmt: skip
 
 
@@ -146,6 +148,8 @@ VIDEOLLM_CASES = {
                         r"`task` is an int; pass a task name, .* \['step', .*\(names, not route ids\)"),
     "task route ids": (lambda p: p(text=videollm_prompt(p), videos=[VIDEO], task=[0]), ValueError,
                        "`task` is a list; pass a task name, or a list of one name per text"),
+    "route selector a name": (lambda p: p(text=videollm_prompt(p), videos=[VIDEO], route_selector="step"),
+                              ValueError, "`route_selector` is a str; pass a MoteRouteSelector, or the task name as"),
     "text a number": (lambda p: p(text=5, videos=[VIDEO]), ValueError, "`text` is an int; pass a string"),
     "text empty": (lambda p: p(text=[], videos=[VIDEO]), ValueError, "`text` is an empty list: pass at least one"),
     "videos a frame": (lambda p: p(text=videollm_prompt(p), videos=FRAME), ValueError, r"pass .* as \[frame\]"),

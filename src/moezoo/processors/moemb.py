@@ -334,11 +334,19 @@ class MoEmbProcessor(ProcessorMixin):
         padding_side: str = "right",
         max_length: int | None = None,
         return_tensors: str | None = "pt",
+        **unknown,
     ):
         """
         Process a list of inputs (dicts or strings, see the module docstring) into one batch, or `queries` and
         `targets` into `{"query": batch, "target": batch}`.
         """
+        if unknown:
+            # Users of transformers' processors write text=..., images=...: say how this one takes them.
+            raise ValueError(
+                f"MoEmbProcessor has no option {', '.join(sorted(unknown))}: pass a list of inputs, each a text or a "
+                f"dict with keys among {', '.join(INPUT_KEYS)} (processor(['a cat', {{'images': [image]}}])), or "
+                "queries= and targets=; its options are padding_side, max_length and return_tensors"
+            )
         if (inputs is None) == (queries is None and targets is None):
             raise ValueError("pass either a list of inputs, or queries= and/or targets=")
         options = {"padding_side": padding_side, "max_length": max_length, "return_tensors": return_tensors}

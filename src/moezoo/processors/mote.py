@@ -134,6 +134,11 @@ class MoteRoutingMixin:
         if (task is None and route_selector is None) or self.expert_names == []:
             return None
         if task is None:
+            if not (hasattr(route_selector, "select") and hasattr(route_selector, "names")):
+                raise ValueError(
+                    f"`route_selector` is {describe(route_selector)}; pass a MoteRouteSelector, or the task name as "
+                    "task=."
+                )
             selected = route_selector.select([self.user_prompt(text) for text in texts])
             names = [route_selector.names[index] for index in selected.tolist()]
         elif isinstance(task, str):
