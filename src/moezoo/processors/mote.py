@@ -209,7 +209,8 @@ class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
     `attention_mask`, with every `<|image|>` of the text expanded to the image's `(h / merge) * (w / merge)` tokens;
     `pixel_values (patches, 3 * temporal_patch_size * patch_size**2)` and `image_grid_thw (images, 3)`;
     `mm_token_type_ids` (1 on image tokens), which the model's 3-D rotary positions need; and `task_ids` when a task
-    or a route selector is given.
+    or a route selector is given. `text` must hold one `<|image|>` per image ([`render_prompt`] writes them); texts,
+    images and options are checked as in every processor of the zoo (see `inputs.py`).
 
     Args:
         image_processor ([`Glm46VImageProcessorPil`]):
