@@ -28,6 +28,7 @@ class TopKRouter(nn.Module):
         self.num_experts = spec.num_experts
         self.hidden_dim = spec.hidden_size
         self.norm_topk_prob = spec.norm_topk_prob
+        self.straight_through_weights = spec.straight_through_weights
         self.routed_scaling_factor = spec.routed_scaling_factor
         self.bias_update_rate = spec.bias_update_rate
         self.bias_update_rule = spec.bias_update_rule
@@ -80,7 +81,9 @@ class TopKRouter(nn.Module):
             selection_scores = scores + self.e_score_correction_bias.float()
         top_k_index = torch.topk(selection_scores, self.top_k, dim=-1).indices
         top_k_weights = scores.gather(1, top_k_index)
-        if self.norm_topk_prob:
+        if self.straight_through_weights:
+            top_k_weights = top_k_weights / top_k_weights.detach()  # 1.0, with the gradient of log p (top-1 only)
+        elif self.norm_topk_prob:
             # The epsilon (DeepSeek-V3's) keeps sigmoid scores that all underflow to 0 from giving 0/0; it is below
             # fp32 resolution for any sum that does not.
             top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -55,6 +55,10 @@ class MoeLayerSpec:
     # lambda in MoE-ViE's y = sum_e g_e E_e(x) + lambda * E_shared(x); ignored without a shared expert.
     shared_expert_scale: float = 1.0
     routing_bias: bool = False
+    # Top-1 gates renormalised to exactly 1 give the router no gradient from the model's loss: with
+    # `straight_through_weights` the gate weight is `p / p.detach()`, still exactly 1 in the forward (an upcycled layer
+    # stays equal to its dense source) but with the gradient of log p in the backward (OmniMoE-VL spec D4).
+    straight_through_weights: bool = False
     bias_update_rate: float = 1e-3
     bias_update_rule: str = "zscore"
 
@@ -93,6 +97,12 @@ class MoeLayerSpec:
             raise ValueError(
                 f"MoeLayerSpec.num_experts_per_tok must be 1 with router_type='given' (one expert per example or "
                 f"token), got {self.num_experts_per_tok}"
+            )
+        if self.straight_through_weights and (self.router_type == "given" or self.num_experts_per_tok != 1):
+            raise ValueError(
+                "MoeLayerSpec.straight_through_weights=True needs a learned top-1 router (num_experts_per_tok=1, "
+                f"router_type 'softmax' or 'sigmoid'), got router_type={self.router_type!r}, "
+                f"num_experts_per_tok={self.num_experts_per_tok}"
             )
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError(
