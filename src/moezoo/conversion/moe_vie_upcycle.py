@@ -32,7 +32,7 @@ from transformers.image_utils import PILImageResampling
 from transformers.initialization import no_init_weights
 
 from ..configuration.moe_vie import MoeVieConfig
-from ..hub.sources import TOKENIZER_FILES, locate
+from ..hub.sources import TOKENIZER_FILES, check_safetensors, locate
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe_vie import MoeVieModel
 from ..processors.build import make_moe_vie_processor
@@ -182,6 +182,7 @@ def _check_options(mode: str, router_std: float, router_bias: float) -> None:
 
 def _load_source(source: str | Path | PreTrainedModel) -> PreTrainedModel:
     if not isinstance(source, PreTrainedModel):
+        check_safetensors(Path(source))  # transformers' error for a corrupt file would not name it
         source = AutoModel.from_pretrained(str(source), dtype=torch.float32)
     model_type = source.config.model_type
     if model_type not in SOURCE_MODEL_TYPES:

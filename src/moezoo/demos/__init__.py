@@ -19,6 +19,8 @@ STAGES = [
 
 def run_demo(out: str | Path, quick: bool = False) -> dict[str, dict]:
     out = Path(out)
+    if out.exists() and not out.is_dir():  # found before the first stage, not when it writes
+        raise FileExistsError(f"{out} is a file, not a folder; choose another --out")
     results = {}
     for number, (name, title, stage) in enumerate(STAGES, start=1):
         console.rule(f"[bold]stage {number}/{len(STAGES)}: {title}")

@@ -1,15 +1,17 @@
-"""Where every model, tokenizer and checkpoint moezoo loads comes from: a local path, or a Hub repo id.
+"""Where every model, tokenizer, checkpoint and Hub data set moezoo loads comes from: a local path, or a Hub repo id.
 
 All loading goes through `locate` (and `model_folder`, for model folders), so that every command and library entry
 point fails the same way, at once and in one sentence, when what it needs is not there:
 
-- a path that does not exist (and is no Hub repo id) is named as such, with what to give instead;
-- a Hub repo id is taken from the Hub cache when the Hub cannot be used; otherwise one short request first checks
-  that the Hub answers and has the repo. Without that check, a download from an unreachable Hub retries every file
-  for minutes before it fails, and transformers' own error names neither the file nor how to give it locally;
-- with `HF_HUB_OFFLINE=1` the network is never tried.
+- a path that does not exist (and is no Hub repo id `organisation/name`) is named as such, with what to give instead;
+- for a Hub repo id, one short request first checks that the Hub answers and has the repo; then the repo is downloaded
+  into the Hub cache, or brought up to date there. Without that check, a download from an unreachable Hub retries
+  every file for minutes before it fails, and transformers' own error names neither the file nor how to give it
+  locally. When the Hub does not answer, the Hub cache's copy is used, if there is one;
+- with `HF_HUB_OFFLINE=1` the network is never tried: the Hub cache's copy, or an error at once.
 
-A model folder's architecture is checked from its `config.json` alone, before any weights are read or downloaded.
+A model folder's architecture is checked from its `config.json` alone, before any weights are read or downloaded, and
+its safetensors files are checked to be whole before transformers reads them (its error would not name the file).
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ def locate(
     how: str | None = None,
     allow_patterns: Sequence[str] | None = None,
     check_config: Callable[[Path], object] | None = None,
+    repo_type: str = "model",
 ) -> Path:
     """
-    The local file or folder `source`, or the Hub repo `source` in the Hub cache (downloading `allow_patterns`, default
-    every file, after the Hub answered one short request; `check_config(folder)` first sees a folder holding the
-    repo's config.json alone, to refuse a repo before its weights are downloaded).
+    The local file or folder `source`, or the Hub repo `source` (of `repo_type`: "model" or "dataset") in the Hub
+    cache, downloading `allow_patterns` (default every file) after the Hub answered one short request;
+    `check_config(folder)` first sees a folder holding the repo's config.json alone, to refuse a repo before its
+    weights are downloaded.
 
     `what` names the thing in errors ("the model", "CLIP's tokenizer"); `how` says how the caller can be given a local
     copy instead ("pass --tokenizer with a local tokenizer folder"). Raises `FileNotFoundError` for a path or repo
@@ -62,42 +66,52 @@ def locate(
     if path.exists():
         return path
     repo_id = str(source)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
+    if not is_hub_repo_id(repo_id):
         raise FileNotFoundError(
-            f"{what} {source} does not exist; {how or 'give a local path or a Hub repo id (organisation/name)'}"
-        ) from None
+            f"{what} {source} does not exist; {how or 'give a local path'}, or a Hub repo id (organisation/name)"
+        )
     patterns = list(allow_patterns) if allow_patterns else None
     download_advice = (
         f"{how + ', or ' if how else ''}download it where there is a network "
-        f"(`hf download {repo_id}{''.join(f' --include {pattern!r}' for pattern in patterns or ())}`) into the Hub "
+        f"(`hf download {repo_id}{'' if repo_type == 'model' else f' --repo-type {repo_type}'}"
+        f"{''.join(f' --include {pattern!r}' for pattern in patterns or ())}`) into the Hub "
         "cache, which moezoo reads when the Hub cannot be used"
     )
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass  # not in the cache: from the Hub, if it can be used
     if constants.HF_HUB_OFFLINE:
-        raise HubUnreachableError(
-            f"{what} {repo_id} is neither a local path nor in the Hub cache, and HF_HUB_OFFLINE is set; "
-            f"{download_advice}"
-        )
+        cached = _cached_snapshot(repo_id, repo_type, patterns)
+        if cached is None:
+            raise HubUnreachableError(
+                f"{what} {repo_id} is neither a local path nor in the Hub cache, and HF_HUB_OFFLINE is set; "
+                f"{download_advice}"
+            )
+        return cached
     try:
-        HfApi().model_info(repo_id, timeout=HUB_CHECK_TIMEOUT)
+        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=HUB_CHECK_TIMEOUT)
     except RepositoryNotFoundError:
         raise FileNotFoundError(
             f"{what} {repo_id} is neither a local path nor a repo on the Hub at {constants.ENDPOINT} (a private or "
-            f"gated repo needs `hf auth login`); {how or 'give a local path or a Hub repo id'}"
+            f"gated repo needs `hf auth login`); {how or 'give a local path'}"
         ) from None
     except (HfHubHTTPError, *transport_errors()) as error:  # DNS failure, refused connection, timeout, 5xx
-        raise HubUnreachableError(
-            f"cannot reach the Hub at {constants.ENDPOINT} to download {what} {repo_id} ({type(error).__name__}: "
-            f"{error}); {download_advice} (with HF_HUB_OFFLINE=1 set, the Hub is not tried)"
-        ) from error
+        cached = _cached_snapshot(repo_id, repo_type, patterns)
+        if cached is None:
+            raise HubUnreachableError(
+                f"cannot reach the Hub at {constants.ENDPOINT} to download {what} {repo_id} ({type(error).__name__}: "
+                f"{error}); {download_advice} (with HF_HUB_OFFLINE=1 set, the Hub is not tried)"
+            ) from error
+        return cached
+    # The Hub answered: the download brings a cached copy up to date (a repo pushed again), quickly when it is.
     if check_config is not None:
-        check_config(Path(hf_hub_download(repo_id, "config.json")).parent)
-    return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        check_config(Path(hf_hub_download(repo_id, "config.json", repo_type=repo_type)).parent)
+    return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns))
+
+
+def _cached_snapshot(repo_id: str, repo_type: str, patterns: list[str] | None) -> Path | None:
+    """The repo's folder in the Hub cache if it holds the files of `patterns` (all files when None), else None."""
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns, local_files_only=True))
+    except LocalEntryNotFoundError:  # not cached, or only in part (an interrupted download)
+        return None
 
 
 @contextmanager
@@ -132,6 +146,17 @@ def source_name(source: str | Path) -> str:
     return str(source)
 
 
+def is_hub_repo_id(name: str) -> bool:
+    """Whether `name` is taken for a Hub repo id when no such path exists: `organisation/name` only. A bare name is
+    taken for a mistyped local path: the Hub's few ids without an organisation all have one now (gpt2 is
+    openai-community/gpt2)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return name.count("/") == 1
+
+
 def transport_errors() -> tuple[type[Exception], ...]:
     """What a request to an unreachable Hub raises: `OSError` and the network errors of the HTTP client huggingface_hub
     uses (httpx2 in 2.x, httpx in 1.x)."""
@@ -156,8 +181,8 @@ def model_folder(
     def check(folder: Path) -> str:
         return check_model_type(folder, command, model_types, other_types, source)
 
-    folder = locate(source, "the model", f"give a model folder ({MODEL_FOLDER_WRITERS}) or a Hub repo id", MODEL_FILES,
-                    check_config=check)
+    folder = locate(source, "the model", f"give a local model folder (written by {MODEL_FOLDER_WRITERS})",
+                    MODEL_FILES, check_config=check)
     model_type = check(folder)
     check_safetensors(folder)
     return folder, model_type

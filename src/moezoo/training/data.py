@@ -26,6 +26,7 @@ from datasets import Dataset, List, Value, load_dataset
 from datasets import Image as ImageFeature
 from datasets.exceptions import DatasetGenerationError
 
+from ..hub.sources import is_hub_repo_id, locate
 from ..processors.images import open_image
 
 TABLE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -113,9 +114,11 @@ def _load(source: str | Path, split: str) -> tuple[Dataset, Path | None]:
         if path.suffix.lower() not in TABLE_FORMATS:
             raise ValueError(f"{path}: expected {', '.join(TABLE_FORMATS)}, webdataset .tar shards or an image folder")
         return load_table(path, split), path.parent
-    if str(source).count("/") == 1:
-        return load_dataset(str(source), split=split), None
-    raise FileNotFoundError(f"no data at {source}")
+    if not is_hub_repo_id(str(source)):
+        raise FileNotFoundError(f"no data at {source}")
+    # A Hub data set from the Hub cache, or downloaded once the Hub answered; offline, named at once.
+    folder = locate(source, "the data set", "give a local data file or folder", repo_type="dataset")
+    return load_dataset(str(folder), split=split), None
 
 
 def _webdataset_columns(dataset: Dataset, image_column: str, text_column: str) -> Dataset:
