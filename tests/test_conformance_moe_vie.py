@@ -1,6 +1,7 @@
 """transformers' common model and configuration tests on the MoE-ViE classes, the way transformers' own
 `tests/models/siglip2/test_modeling_siglip2.py` applies them to Siglip2: one tester per tower and one for the dual
-encoder, on tiny configurations of the official MoE-ViE profile (2D RoPE, SwiGLU, causal text pooled at its EOS).
+encoder, on tiny configurations of the official MoE-ViE profile (2D RoPE, SwiGLU, causal text pooled at its EOS), and
+again on the profile of upcycled SigLIP checkpoints.
 
 Every skip names the Siglip2 test file's own skip it mirrors. Where a common test reads an output a dual encoder
 does not have (the `logits` of each experts implementation, a per-video batch axis of packed frames), the test class
@@ -27,6 +28,25 @@ from transformers_tests.test_modeling_common import (
 
 SIGLIP2_TESTS = "transformers' tests/models/siglip2/test_modeling_siglip2.py"
 
+# The field values of SigLIP/SigLIP2 checkpoints upcycled to MoE-ViE (spec §5.1; `conversion/moe_vie_upcycle.py`):
+# learned positions, GELU experts with biases scaled by top-k, post-LN, bidirectional text pooled at its last position,
+# no projection of the image features, the sigmoid loss.
+SIGLIP_PROFILE = dict(
+    vision_config=dict(
+        mlp_type="gelu", hidden_act="gelu_pytorch_tanh", position_embedding_type="learned", num_patches=16,
+        use_pre_layernorm=False, use_post_layernorm=True, patch_embedding_bias=True, routed_scaling_factor=2.0,
+        pooling_hidden_act="gelu_pytorch_tanh",
+    ),
+    text_config=dict(
+        mlp_type="gelu", hidden_act="gelu_pytorch_tanh", is_causal=False, pooling_type="last",
+        use_final_layer_norm=True,
+    ),
+    projection_dim=None,
+    loss_type="sigmoid",
+    max_logit_scale=None,
+    text_projection_bias=True,
+)
+
 
 class MoeVieVisionModelTester:
     """Pre-patchified NaFlex batches (`pixel_values (B, N, p*p*C)`, `pixel_attention_mask`, `spatial_shapes`) of
@@ -47,6 +67,7 @@ class MoeVieVisionModelTester:
         moe_intermediate_size=16,  # grouped_mm needs 16-byte aligned expert rows, in fp16 and bf16 too
         n_routed_experts=4,
         num_experts_per_tok=2,
+        profile=None,
     ):
         self.parent = parent
         self.batch_size = batch_size
@@ -61,6 +82,7 @@ class MoeVieVisionModelTester:
         self.moe_intermediate_size = moe_intermediate_size
         self.n_routed_experts = n_routed_experts
         self.num_experts_per_tok = num_experts_per_tok
+        self.profile = profile or {}  # further config fields
         # Grids of every aspect ratio, one of them filling all `seq_length` slots.
         self.spatial_shapes = [(4, 4), (2, 3), (3, 5), (1, 6), (5, 2), (1, 1)]
 
@@ -79,6 +101,7 @@ class MoeVieVisionModelTester:
             num_experts_per_tok=self.num_experts_per_tok,
             pooling_num_attention_heads=2,
             pooling_intermediate_size=37,
+            **self.profile,
         )
 
     def prepare_config_and_inputs(self):
@@ -168,6 +191,7 @@ class MoeVieTextModelTester:
         num_attention_heads=4,
         intermediate_size=37,
         max_position_embeddings=16,
+        profile=None,
     ):
         self.parent = parent
         self.batch_size = batch_size
@@ -179,6 +203,7 @@ class MoeVieTextModelTester:
         self.num_attention_heads = num_attention_heads
         self.intermediate_size = intermediate_size
         self.max_position_embeddings = max_position_embeddings
+        self.profile = profile or {}  # further config fields
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, vocab_size - 2, vocab_size - 1
 
     def get_config(self):
@@ -192,6 +217,7 @@ class MoeVieTextModelTester:
             pad_token_id=self.pad_token_id,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
+            **self.profile,
         )
 
     def prepare_config_and_inputs(self):
@@ -284,10 +310,12 @@ class MoeVieVideoTester:
 
 
 class MoeVieModelTester:
-    def __init__(self, parent, is_training=True):
+    def __init__(self, parent, is_training=True, profile=None):
+        profile = dict(profile or {})
         self.parent = parent
-        self.text_model_tester = MoeVieTextModelTester(parent)
-        self.vision_model_tester = MoeVieVisionModelTester(parent)
+        self.text_model_tester = MoeVieTextModelTester(parent, profile=profile.pop("text_config", None))
+        self.vision_model_tester = MoeVieVisionModelTester(parent, profile=profile.pop("vision_config", None))
+        self.profile = {"projection_dim": 24} | profile
         self.video_model_tester = MoeVieVideoTester(self.vision_model_tester)
         self.batch_size = self.text_model_tester.batch_size  # for test_batching_equivalence
         self.is_training = is_training
@@ -296,7 +324,7 @@ class MoeVieModelTester:
         return MoeVieConfig(
             text_config=self.text_model_tester.get_config().to_dict(),
             vision_config=self.vision_model_tester.get_config().to_dict(),
-            projection_dim=24,
+            **self.profile,
         )
 
     def prepare_config_and_inputs(self):
@@ -378,3 +406,27 @@ class MoeVieModelTest(ModelTesterMixin, unittest.TestCase):
     @unittest.skip(reason=f"retain_grad is tested in the towers' own test classes, as {SIGLIP2_TESTS} skips it")
     def test_retain_grad_hidden_states_attentions(self):
         pass
+
+
+class MoeVieSiglipProfileVisionModelTest(MoeVieVisionModelTest):
+    """The vision tower of upcycled SigLIP checkpoints."""
+
+    def setUp(self):
+        super().setUp()
+        self.model_tester = MoeVieVisionModelTester(self, profile=SIGLIP_PROFILE["vision_config"])
+
+
+class MoeVieSiglipProfileTextModelTest(MoeVieTextModelTest):
+    """The text tower of upcycled SigLIP checkpoints."""
+
+    def setUp(self):
+        super().setUp()
+        self.model_tester = MoeVieTextModelTester(self, profile=SIGLIP_PROFILE["text_config"])
+
+
+class MoeVieSiglipProfileModelTest(MoeVieModelTest):
+    """The dual encoder of upcycled SigLIP checkpoints."""
+
+    def setUp(self):
+        super().setUp()
+        self.model_tester = MoeVieModelTester(self, profile=SIGLIP_PROFILE)
