@@ -115,6 +115,23 @@ def test_docs_index_lists_every_page():
             assert f"(docs/{page.name})" in readme, f"README.md does not link to docs/{page.name}"
 
 
+@pytest.mark.slow
+def test_readme_counts_the_bad_input_checks():
+    """The README says how many bad inputs the suite checks: the tests of the two catalogues, as pytest collects them."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"checks (\d+) such bad\s+inputs, (\d+) of the `moezoo` command .*? and (\d+) of the processors",
+                       readme, flags=re.S)
+    assert stated, "README.md no longer says how many bad inputs the suite checks"
+    files = ("tests/test_bad_input_catalogue.py", "tests/test_processor_bad_input.py")
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    counts = [sum(line.startswith(f"{name}::") for line in collected.stdout.splitlines()) for name in files]
+    assert [int(n) for n in stated.groups()] == [sum(counts), *counts], (
+        f"README.md states {stated.group(0)!r}; the suite has {counts} (command, processors)"
+    )
+
+
 def test_readme_stays_an_index():
     """The guides live in docs/: the README is what moezoo is, the commands, the table, quickstarts and links."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
