@@ -92,16 +92,25 @@ def test_code_blocks_name_their_kind(page):
     assert not unknown, f"{page_id(page)}: code blocks of no known kind ({', '.join(sorted(RUN | NOT_RUN))}): {unknown}"
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a page: lower case, punctuation but - and _ dropped, spaces as -."""
+    headings = re.findall(r"^#+\s+(.*)$", page.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_links_stay_in_the_repository(page):
     text = page.read_text(encoding="utf-8")
     assert "../shared" not in text and "/work/" not in text, f"{page_id(page)} names a path outside the repository"
     broken = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = (page.parent / target.split("#")[0]).resolve()
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
         if not path.is_relative_to(ROOT) or not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(target)
     assert not broken, f"{page_id(page)}: links to nothing in the repository: {broken}"
 
