@@ -592,6 +592,15 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
                 terms.append(config.router_aux_loss_coef * balance)
         return sum(terms) if terms else None
 
+    def generate(self, inputs=None, **kwargs):
+        """`GenerationMixin.generate`, with the default prompt mask taken from the prompt itself: steps that recompute
+        the route from the whole sequence (without a KV cache) must not count the generated tokens as prompt."""
+        input_ids = kwargs.get("input_ids", inputs)
+        has_image = kwargs.get("pixel_values") is not None or kwargs.get("visual_streams") is not None
+        if kwargs.get("prompt_mask") is None and input_ids is not None and has_image:
+            kwargs["prompt_mask"] = self.model.default_prompt_mask(input_ids, kwargs.get("attention_mask"))
+        return super().generate(inputs, **kwargs)
+
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
         model_kwargs = super()._update_model_kwargs_for_generation(
             outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
