@@ -157,11 +157,12 @@ def test_p8_prior_and_bonus():
     usage[3] = 0.0
     bonus = underuse_bonus(usage, 1e-3)
     assert torch.isclose(bonus.mean(), torch.tensor(1.0))
-    assert torch.isclose(bonus[3], torch.tensor(9.51), atol=0.01) and torch.isclose(bonus[0], torch.tensor(0.055), atol=1e-3)
+    assert torch.isclose(bonus[3], torch.tensor(9.51), atol=0.01)
+    assert torch.isclose(bonus[0], torch.tensor(0.055), atol=1e-3)
     assert torch.allclose(underuse_bonus(torch.full((10,), 7.0), 1e-3), torch.ones(10))
 
 
-# --- forward, shapes and sparsity (spec §2.8, §9.4, §9.10) -------------------------------------------------------------
+# --- forward, shapes and sparsity (spec §2.8, §9.4, §9.10) ------------------------------------------------------------
 
 
 def test_output_shapes_and_sparsity():
