@@ -58,7 +58,7 @@ def test_export_and_push_say_what_is_wrong_with_the_folder(tmp_path):
     from moezoo.hub.export import export_folder
     from moezoo.hub.push import check_exported
 
-    with pytest.raises(FileNotFoundError, match="nowhere does not exist; give a model folder"):
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist; give a local model folder"):
         export_folder(tmp_path / "nowhere", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="has no config.json; `moezoo export` takes a model folder"):
         export_folder(tmp_path, tmp_path / "out")

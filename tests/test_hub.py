@@ -176,7 +176,7 @@ def broken_copy(created, tmp_path, edit_state=None, edit_config=None):
         (lambda s: s.pop("blocks.1.experts.down_proj"), None, "missing keys .*blocks.1.experts.down_proj"),
         (lambda s: s.update(extra_head=torch.zeros(2)), None, "unexpected keys .*extra_head"),
         (None, lambda c: c.update(num_experts=6), "blocks.0.experts"),
-        (None, lambda c: c.update(model_type="not_a_zoo_model"), "unknown architecture 'not_a_zoo_model'"),
+        (None, lambda c: c.update(model_type="not_a_zoo_model"), r"holds a non-moezoo model \(model_type 'not_a_zoo_model'\)"),
     ],
     ids=["missing", "extra", "config-mismatch", "unknown-architecture"],
 )
@@ -193,7 +193,7 @@ def test_export_refuses_broken_folders_and_leaves_nothing_behind(toy_folders, tm
 
 
 def test_export_of_a_truncated_checkpoint_says_so_and_leaves_nothing_behind(toy_folders, tmp_path):
-    """A partly downloaded safetensors file: a message naming the folder, not the reader's traceback."""
+    """A partly downloaded safetensors file: a message naming the file, not the reader's traceback."""
     created, _ = toy_folders
     folder = broken_copy(created, tmp_path)
     weights = (folder / "model.safetensors").read_bytes()
@@ -201,7 +201,7 @@ def test_export_of_a_truncated_checkpoint_says_so_and_leaves_nothing_behind(toy_
     result = run_moezoo("export", folder, "--out", tmp_path / "out")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     err = " ".join(result.stderr.split())
-    assert f"cannot load {folder}" in err and "incomplete" in err, err
+    assert f"{folder / 'model.safetensors'} is not a complete safetensors file" in err and "incomplete" in err, err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
