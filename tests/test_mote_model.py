@@ -6,6 +6,7 @@ strongest checks compare against transformers' own LlamaForCausalLM and GlmOcrFo
 
 import copy
 import json
+import logging
 import re
 
 import pytest
@@ -306,13 +307,16 @@ def test_videollm_frames_become_ten_tokens_each(videollm):
         model(input_ids=text_only, pixel_values_videos=frames, video_num_frames=routes(2, 2), task_ids=routes(0, 0))
 
 
-def test_videollm_placeholders_need_their_frames_at_the_frame_resolution(videollm):
+def test_videollm_placeholders_without_frames_are_named_and_frames_need_their_resolution(videollm, caplog):
     _, model = videollm
     inputs = synthetic_video_inputs(model.config)
     frames = ("pixel_values_videos", "video_num_frames")
     without_frames = {key: value for key, value in inputs.items() if key not in frames}
-    with pytest.raises(ValueError, match="40 video placeholders .* but no frames were given"):
+    # A warning, not an error: transformers' common tests run text-only forwards over placeholder ids.
+    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote"):
         model(**without_frames, task_ids=routes(0, 0))
+    assert re.search("40 video placeholders .* but no frames were given: .* pass the processor's pixel_values_videos",
+                     caplog.text)
     resolution = model.config.frame_resolution
     size = resolution + 16
     wrong_size = inputs | {"pixel_values_videos": torch.zeros(4, 3, size, size)}
@@ -320,12 +324,14 @@ def test_videollm_placeholders_need_their_frames_at_the_frame_resolution(videoll
         model(**wrong_size, task_ids=routes(0, 0))
 
 
-def test_glm_ocr_image_placeholders_need_their_image(glm):
+def test_glm_ocr_image_placeholders_without_their_image_are_named(glm, caplog):
     _, model = glm
     inputs = synthetic_inputs(model.config)
     without_image = {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}
-    with pytest.raises(ValueError, match="8 image placeholders .* but no image was given"):
+    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote"):
         model(**without_image)
+    assert re.search("8 image placeholders .* but no image was given: .* pass the processor's pixel_values",
+                     caplog.text)
 
 
 # --- parameter accounting (spec §3.6, §9.2) -----------------------------------------------------------------------

@@ -120,13 +120,20 @@ class MoteTextConfigMixin:
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """The dense plan, with each FFN rule repeated for the shared expert and every named expert (the plans
-        match module names literally, apart from layer numbers)."""
+        match module names literally, apart from layer numbers). The dense FFN rules stay only while some layer
+        keeps its dense FFN: transformers reads a rule that matches no parameter as a typo in the plan."""
+        has_dense_layers = not all(self.is_mote_layer(index) for index in range(self.num_hidden_layers))
         plan = {}
         for pattern, style in super().base_model_tp_plan.items():
-            plan[pattern] = style
-            if ".mlp." in pattern:
+            if ".mlp." not in pattern:
+                plan[pattern] = style
+                continue
+            if has_dense_layers:
+                plan[pattern] = style
+            if self.mote_expert_names:
                 prefix, projection = pattern.split(".mlp.")
-                plan[f"{prefix}.mlp.shared_expert.{projection}"] = style
+                if self.mote_num_shared_experts:
+                    plan[f"{prefix}.mlp.shared_expert.{projection}"] = style
                 for name in self.mote_expert_names:
                     plan[f"{prefix}.mlp.experts.{name}.{projection}"] = style
         return plan
@@ -288,7 +295,12 @@ class GlmOcrMoteConfig(GlmOcrConfig):
     sub_configs_defaults = {"vision_config": GlmOcrVisionConfig, "text_config": GlmOcrMoteTextConfig}
 
     def __post_init__(self, **kwargs):
+        default_vision = self.vision_config is None
         super().__post_init__(**kwargs)
+        if default_vision:
+            # GlmOcrConfig's default towers disagree (its merger writes 1536-wide features into a 1024-wide decoder);
+            # a default vision tower writes features as wide as the decoder it feeds.
+            self.vision_config.out_hidden_size = self.text_config.hidden_size
         if self.vision_config.out_hidden_size != self.text_config.hidden_size:
             raise ValueError(
                 f"GlmOcrMoteConfig.vision_config.out_hidden_size={self.vision_config.out_hidden_size} must equal "
@@ -341,6 +353,12 @@ class VideoLlmMoteConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.frame_token_pooled is None:
             self.frame_token_pooled = [3, 3]
+        # The default towers are the paper's (Llama-3.2-1B-Instruct, SigLIP 2 ViT-L/16-384), which the default token
+        # ids and frame resolution belong to; the sub-config classes' own defaults describe other models.
+        if self.text_config is None:
+            self.text_config = dict(LLAMA_3_2_1B_INSTRUCT)
+        if self.vision_config is None:
+            self.vision_config = dict(SIGLIP2_LARGE_PATCH16_384_VISION)
         super().__post_init__(**kwargs)
         self.validate_fields()
 

@@ -61,7 +61,8 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.siglip.modeling_siglip import SiglipVisionModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -79,6 +80,13 @@ from .moe.losses import load_balancing_loss
 from .moe.pretrained import checkpoints_reentrantly
 from .moe.router import TopKRouter
 from .moe.spec import MoeLayerSpec
+
+
+logger = logging.get_logger(__name__)
+
+# The cache's old argument name, accepted (with transformers' deprecation warning) as long as the transformers forwards
+# these wrap accept it; every MoTE forward takes it, so that the cache is never lost between a wrapper and its base.
+accepts_past_key_values = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
 
 
 # --- outputs ------------------------------------------------------------------------------------------------------
@@ -242,15 +250,18 @@ def starts_a_sequence(cache: Cache | None) -> bool:
     return cache is None or cache.get_seq_length() == 0
 
 
-def require_media_for_placeholders(input_ids, cache, token_id: int, kind: str, missing: str, inputs: str) -> None:
-    """Raise when a sequence starts with `kind` placeholders in `input_ids` but no media to put in their place: the
-    placeholder's own embedding would silently stand in for it. Later decoding steps carry no media."""
+def warn_of_placeholders_without_media(input_ids, cache, token_id: int, kind: str, missing: str, inputs: str) -> None:
+    """Warn when a sequence starts with `kind` placeholders in `input_ids` but no media to put in their place: the
+    placeholder's own embedding then stands in for it, which is what a forgotten `pixel_values` looks like. A warning,
+    not an error: a text-only forward over any token ids is valid for transformers' VLMs (their common tests run
+    them). Later decoding steps carry no media."""
     if input_ids is None or not starts_a_sequence(cache):
         return
     placeholders = int((input_ids == token_id).sum())
     if placeholders:
-        raise ValueError(
-            f"the text has {placeholders} {kind} placeholders ({kind}_token_id={token_id}) but {missing}: pass {inputs}"
+        logger.warning(
+            f"the text has {placeholders} {kind} placeholders ({kind}_token_id={token_id}) but {missing}: their own "
+            f"embeddings stand in for the {kind}. To use the {kind}, pass {inputs}"
         )
 
 
@@ -570,6 +581,7 @@ class MoteTextModelMixin:
         wanted = bool(config.mote_expert_names) and config.mote_routing_mode == "sample_top1"
         self.sample_router = top1_router(config) if wanted else None
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -585,8 +597,8 @@ class MoteTextModelMixin:
     ) -> MoeModelOutputWithPast:
         r"""
         task_ids (`torch.LongTensor` of shape `(batch_size,)`, *optional*): the route (expert index into
-            `config.mote_expert_names`) of each example; default `config.mote_default_route`. Used in routing mode
-            `task`; the ablation modes choose their own routes.
+            `config.mote_expert_names`) of each example; default: the routes of the sequence a KV cache continues,
+            else `config.mote_default_route`. Used in routing mode `task`; the ablation modes choose their own routes.
         routing_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): the positions the
             `sample_top1` router averages (default: `attention_mask`); the LM heads pass each prompt's positions.
         """
@@ -629,7 +641,8 @@ class MoteTextModelMixin:
     ) -> tuple[MoteRoutes | None, torch.Tensor | None]:
         """The routes of the batch (`kept`, those of the sequence a KV cache continues, if any) and, for a new
         `sample_top1` decision, the sample router's logits. `None` routes in the modes that need none (`dense`,
-        `token_top1`, or a model without experts)."""
+        `token_top1`, or a model without experts). A continued sequence keeps its routes: `task_ids` may then be
+        left out, and must equal them when given."""
         config = self.config
         if not config.mote_expert_names or config.mote_routing_mode in ("dense", "token_top1"):
             return None, None
@@ -638,6 +651,8 @@ class MoteTextModelMixin:
                 return kept, None
             router_logits, weights, expert_ids = self.sample_router(masked_mean(inputs_embeds, routing_mask))
             return MoteRoutes(expert_ids[:, 0], weights[:, 0]), router_logits
+        if kept is not None and task_ids is None:
+            return kept, None
         task_ids = check_task_ids(config, task_ids, inputs_embeds.shape[0], inputs_embeds.device)
         if kept is not None and not torch.equal(kept.task_ids, task_ids):
             raise ValueError(
@@ -662,6 +677,7 @@ class LlamaMoteDecoderLayer(LlamaDecoderLayer):
         if config.is_mote_layer(layer_idx):
             self.mlp = MoteFeedForward(config, LlamaMLP)
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -730,6 +746,7 @@ class LlamaMoteForCausalLM(MoteGenerationMixin, LlamaMotePreTrainedModel, LlamaF
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -748,7 +765,8 @@ class LlamaMoteForCausalLM(MoteGenerationMixin, LlamaMotePreTrainedModel, LlamaF
     ) -> MoeCausalLMOutputWithPast:
         r"""
         task_ids (`torch.LongTensor` of shape `(batch_size,)`, *optional*): the route of each example, an index
-            into `config.mote_expert_names`; default `config.mote_default_route`.
+            into `config.mote_expert_names`; default: the routes of the sequence a KV cache continues, else
+            `config.mote_default_route`.
         routing_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*): the positions the
             `sample_top1` router pools (see `MoteTextModelMixin.forward`); default the prompt when there are
             `labels`, else `attention_mask`. `generate` passes the prompt's positions.
@@ -897,6 +915,7 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
             )
         return mask[..., None]
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -927,7 +946,7 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         if pixel_values_videos is not None:
-            mm_encoder_outputs["video"] = self.get_video_features(pixel_values_videos, video_num_frames)
+            mm_encoder_outputs["video"] = self.get_video_features(pixel_values_videos, video_num_frames, **kwargs)
         video_outputs = mm_encoder_outputs.get("video")
         if video_outputs is not None:
             frame_tokens = video_outputs.pooler_output
@@ -938,7 +957,7 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
             mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_embeds)
             inputs_embeds = inputs_embeds.masked_scatter(mask, video_embeds.to(inputs_embeds.dtype))
         else:
-            require_media_for_placeholders(
+            warn_of_placeholders_without_media(
                 input_ids, cache, self.config.video_token_id, "video", "no frames were given",
                 "the processor's pixel_values_videos and video_num_frames (or mm_encoder_outputs['video'])",
             )
@@ -979,6 +998,7 @@ class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreT
     def get_video_features(self, pixel_values_videos, video_num_frames=None, **kwargs) -> BaseModelOutputWithPooling:
         return self.model.get_video_features(pixel_values_videos, video_num_frames, **kwargs)
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -1025,7 +1045,7 @@ class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreT
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
-            loss = self.stream_loss(logits, labels, input_ids, kwargs.get("num_items_in_batch"))
+            loss = self.stream_loss(logits, labels, input_ids, **kwargs)
         aux_loss = router_aux_loss(text_config, outputs.router_logits, attention_mask) if output_router_logits else None
         return MoteMultimodalCausalLMOutputWithPast(
             loss=with_aux_loss(text_config, loss, aux_loss),
@@ -1038,22 +1058,31 @@ class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreT
             router_logits=outputs.router_logits,
         )
 
-    def stream_loss(self, logits, labels, input_ids, num_items_in_batch=None) -> torch.Tensor:
-        """Next-token cross-entropy summed over supervised positions, the terms predicted from a `<v>` input times
-        `stream_loss_weight`, divided by the number of supervised positions (or by `num_items_in_batch`)."""
-        logits = logits[:, :-1].float()
-        targets = labels[:, 1:].to(logits.device)
-        per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    def stream_loss(self, logits, labels, input_ids, **kwargs) -> torch.Tensor:
+        """transformers' causal LM loss (`loss_function`: the mean next-token cross-entropy over supervised
+        positions, or their sum over `num_items_in_batch`), with the terms predicted from a `<v>` input weighted by
+        `stream_loss_weight`; the paper's weight 1 is `loss_function` itself.
+
+        The targets are `shift_labels` when given (aligned with the logits already: sequence-parallel training
+        shifts the full sequence before sharding it), else `labels` moved left by one."""
         weight = self.config.stream_loss_weight
-        if weight != 1.0:
-            if input_ids is None:
-                raise ValueError(
-                    f"stream_loss_weight={weight} weighs the positions whose input is <v>, which needs input_ids"
-                )
-            from_frames = input_ids[:, :-1].to(logits.device) == self.config.video_token_id
-            per_token = torch.where(from_frames, weight * per_token, per_token)
-        count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
-        return per_token.sum() / count
+        if weight == 1.0:
+            return self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
+            )
+        if input_ids is None:
+            raise ValueError(
+                f"stream_loss_weight={weight} weighs the positions whose input is <v>, which needs input_ids"
+            )
+        targets = kwargs.get("shift_labels")
+        if targets is None:
+            targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        targets = targets.to(logits.device)
+        per_token = F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        from_frames = input_ids.to(logits.device) == self.config.video_token_id
+        per_token = torch.where(from_frames, weight * per_token, per_token)
+        count = kwargs.get("num_items_in_batch")
+        return per_token.sum() / (count if count is not None else (targets != -100).sum())
 
 
 # --- GLM-OCR-MoTE: GLM-OCR with a MoTE decoder (spec §2.6) -------------------------------------------------------
@@ -1068,6 +1097,7 @@ class GlmOcrMoteTextDecoderLayer(GlmOcrTextDecoderLayer):
         if config.is_mote_layer(layer_idx):
             self.mlp = MoteFeedForward(config, GlmOcrTextMLP)
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -1139,6 +1169,7 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
         self.rope_deltas = None  # GlmOcrModel caches the M-RoPE offsets of the prefill here
         self.post_init()
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -1170,9 +1201,13 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
 
         mm_encoder_outputs = dict(mm_encoder_outputs or {})
         if mm_encoder_outputs.get("image") is None and pixel_values is not None:
-            mm_encoder_outputs["image"] = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+            mm_encoder_outputs["image"] = self.get_image_features(
+                pixel_values, image_grid_thw, return_dict=True, **kwargs
+            )
         if mm_encoder_outputs.get("video") is None and pixel_values_videos is not None:
-            mm_encoder_outputs["video"] = self.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True)
+            mm_encoder_outputs["video"] = self.get_video_features(
+                pixel_values_videos, video_grid_thw, return_dict=True, **kwargs
+            )
         if mm_encoder_outputs.get("image") is not None:
             image_embeds = torch.cat(mm_encoder_outputs["image"].pooler_output, dim=0)
             image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
@@ -1185,7 +1220,7 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
             inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_embeds)
         if mm_encoder_outputs.get("image") is None and mm_encoder_outputs.get("video") is None:
             # GLM-OCR marks video patches with the image token too.
-            require_media_for_placeholders(
+            warn_of_placeholders_without_media(
                 input_ids, cache, self.config.image_token_id, "image", "no image was given",
                 "the processor's pixel_values and image_grid_thw (or mm_encoder_outputs['image'])",
             )
@@ -1200,6 +1235,10 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
                 cache=cache,
                 mm_token_type_ids=mm_token_type_ids,
             )
+            if position_ids is not None:
+                # Continuing from a cache, GlmOcrModel numbers every position of the attention mask (the cached
+                # tokens' too); the decoder takes those of the new tokens.
+                position_ids = position_ids[..., -inputs_embeds.shape[1] :]
         outputs = self.language_model(
             position_ids=position_ids,
             attention_mask=attention_mask,
@@ -1232,6 +1271,7 @@ class GlmOcrMoteForConditionalGeneration(
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,

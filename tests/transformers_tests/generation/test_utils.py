@@ -6,7 +6,11 @@ cache vs no cache, the old (`past_key_values`) and new (`cache`) names of the ca
 beam search, `return_dict_in_generate` outputs, and `generate` after `save_pretrained` / `from_pretrained`.
 
 A test class provides `model_tester.prepare_config_and_inputs_for_common()` as for `ModelTesterMixin`; the prompt's
-text is `input_ids` (with `attention_mask`), and every other input (pixels, tasks, ...) is passed to `generate` as is.
+text is `input_ids` (with `attention_mask`), and every other input (pixels, tasks, ...) is passed to `generate` as is;
+inputs with one entry per token (`(batch, sequence, ...)` like `input_ids`, e.g. `mm_token_type_ids`) are padded and
+extended with zeros (text) along with the tokens. As in transformers' own generation tests, the multimodal
+placeholder tokens of the config (`image_token_id`, `video_token_id`, ...) are never generated: a generated
+placeholder would ask for media that is not there.
 """
 
 import copy
@@ -19,6 +23,8 @@ from transformers.cache_utils import Cache
 
 
 NEW_TOKENS = 4
+# Special tokens of the text; every other `*_token_id` of a config marks media (placeholders, media start and end).
+TEXT_SPECIAL_TOKENS = {"pad", "bos", "eos", "sep", "cls", "mask", "unk", "decoder_start"}
 
 
 class GenerationTesterMixin:
@@ -34,6 +40,7 @@ class GenerationTesterMixin:
         # A token that is never produced lets every run generate exactly NEW_TOKENS tokens.
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = self._pad_token_id(config)
+        model.generation_config.suppress_tokens = self._media_token_ids(config) or None
         return model, inputs
 
     @staticmethod
@@ -41,6 +48,40 @@ class GenerationTesterMixin:
         text_config = config.get_text_config(decoder=True)
         pad = getattr(text_config, "pad_token_id", None)
         return 0 if pad is None else pad
+
+    @staticmethod
+    def _media_token_ids(config) -> list[int]:
+        vocab_size = config.get_text_config(decoder=True).vocab_size
+        return sorted({
+            value for name, value in config.to_dict().items()
+            if name.endswith("_token_id") and name.removesuffix("_token_id") not in TEXT_SPECIAL_TOKENS
+            and isinstance(value, int) and 0 <= value < vocab_size
+        })
+
+    @staticmethod
+    def _per_token_inputs(inputs) -> list[str]:
+        """The inputs other than the text and its mask with one entry per token."""
+        shape = inputs["input_ids"].shape
+        return [
+            key for key, value in inputs.items()
+            if key not in ("input_ids", "attention_mask") and torch.is_tensor(value) and value.shape[:2] == shape
+        ]
+
+    @classmethod
+    def _with_tokens(cls, inputs, before=0, after=0, token_id=0):
+        """`inputs` with `before` masked `token_id` tokens before each prompt and `after` unmasked ones after it; the
+        other per-token inputs get zeros there."""
+
+        def around(value, first, last):
+            batch, rest = value.shape[0], value.shape[2:]
+            return torch.cat(
+                [value.new_full((batch, before, *rest), first), value, value.new_full((batch, after, *rest), last)], 1
+            )
+
+        extended = {key: around(inputs[key], 0, 0) for key in cls._per_token_inputs(inputs)}
+        extended["input_ids"] = around(inputs["input_ids"], token_id, token_id)
+        extended["attention_mask"] = around(inputs["attention_mask"], 0, 1)
+        return {**inputs, **extended}
 
     @staticmethod
     def _greedy(model, inputs, **options):
@@ -65,22 +106,19 @@ class GenerationTesterMixin:
         for model_class in self.all_generative_model_classes:
             with self.subTest(model_class.__name__):
                 model, inputs = self._generation_setup(model_class)
-                input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
-                extra = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
-                next_token = torch.full_like(input_ids[:, :1], self._pad_token_id(model.config) + 1)
+                full_inputs = self._with_tokens(inputs, after=1, token_id=self._pad_token_id(model.config) + 1)
                 with torch.no_grad():
-                    full = model(
-                        input_ids=torch.cat([input_ids, next_token], 1),
-                        attention_mask=torch.cat([mask, torch.ones_like(next_token)], 1), **extra,
-                    ).logits[:, -1]
-                    prefill = model(input_ids=input_ids, attention_mask=mask, use_cache=True, **extra)
+                    full = model(**full_inputs).logits[:, -1]
+                    prefill = model(**inputs, use_cache=True)
                     self.assertIsInstance(prefill.cache, Cache)
                     for name in ("cache", "past_key_values"):
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             step = model(
-                                input_ids=next_token, attention_mask=torch.cat([mask, torch.ones_like(next_token)], 1),
-                                use_cache=True, **{name: copy.deepcopy(prefill.cache)},
+                                input_ids=full_inputs["input_ids"][:, -1:],
+                                attention_mask=full_inputs["attention_mask"],
+                                use_cache=True,
+                                **{name: copy.deepcopy(prefill.cache)},
                             )
                         torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -90,10 +128,7 @@ class GenerationTesterMixin:
             with self.subTest(model_class.__name__):
                 model, inputs = self._generation_setup(model_class)
                 unpadded = self._new_tokens(self._greedy(model, inputs), inputs)
-                padded_inputs = dict(inputs)
-                pads = torch.full_like(inputs["input_ids"][:, :3], self._pad_token_id(model.config))
-                padded_inputs["input_ids"] = torch.cat([pads, inputs["input_ids"]], 1)
-                padded_inputs["attention_mask"] = torch.cat([torch.zeros_like(pads), inputs["attention_mask"]], 1)
+                padded_inputs = self._with_tokens(inputs, before=3, token_id=self._pad_token_id(model.config))
                 padded = self._new_tokens(self._greedy(model, padded_inputs), padded_inputs)
                 torch.testing.assert_close(padded, unpadded, rtol=0, atol=0)
 
@@ -134,11 +169,11 @@ class GenerationTesterMixin:
                 self.assertEqual(len(output.scores), NEW_TOKENS)
                 self.assertEqual(len(output.logits), NEW_TOKENS)
                 self.assertEqual(len(output.hidden_states), NEW_TOKENS)
-                for step, logits in enumerate(output.logits):
+                for step, (logits, scores) in enumerate(zip(output.logits, output.scores)):
                     self.assertEqual(tuple(logits.shape), (batch, vocab))
-                    # greedy search picks the highest logit
+                    # greedy search picks the highest score (the logits after the processors, which suppress tokens)
                     new_token = output.sequences[:, inputs["input_ids"].shape[1] + step]
-                    torch.testing.assert_close(new_token, logits.argmax(-1), rtol=0, atol=0)
+                    torch.testing.assert_close(new_token, scores.argmax(-1), rtol=0, atol=0)
                 self.assertIsInstance(output.past_key_values if "past_key_values" in output else output.cache, Cache)
 
     def test_generate_after_save_and_reload(self):
