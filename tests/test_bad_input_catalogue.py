@@ -34,9 +34,9 @@ from moezoo.zoo import create_from_preset
 from test_hub import fake_hub  # noqa: F401 (a fixture)
 
 
-# A generous bound: the errors come within seconds (a fresh process spends most of them importing); before the
-# fixes, a Hub id without a network took about a minute of retries, a paper-scale preset offline four.
-SECONDS = 30
+# Generous bounds: the errors come within seconds. Before the fixes, a Hub id without a network took about a minute of
+# retries, a paper-scale preset offline four. A fresh process adds its imports, 5 to 40 s on a busy two-core machine.
+SECONDS, SECONDS_IN_A_FRESH_PROCESS = 30, 90
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,11 @@ def test_a_mistake_ends_in_one_error_line(case, inputs, tmp_path, monkeypatch, c
 
     assert status not in (0, None), stderr
     assert "Traceback" not in stderr, stderr
-    errors = [line for line in stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1], stderr
-    assert re.search(case.error, errors[0]), errors[0]
-    assert case.absent is None or case.absent not in errors[0], errors[0]
-    assert elapsed < SECONDS, f"{elapsed:.0f} s"
+    *usage, error = stderr.strip().splitlines()
+    assert "error:" in error and all(line.startswith(("usage:", " ")) for line in usage), stderr  # argparse's usage
+    assert re.search(case.error, error), error
+    assert case.absent is None or case.absent not in error, error
+    assert elapsed < (SECONDS_IN_A_FRESH_PROCESS if case.process else SECONDS), f"{elapsed:.0f} s"
     assert sorted(os.listdir(work)) == [], "the command left output behind"
 
 
@@ -318,7 +318,7 @@ def test_a_hub_model_is_checked_before_its_weights_are_downloaded_and_read_from_
     # Without a Hub, or offline: the cached copy, at once.
     for hub in ({"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, {"HF_HUB_OFFLINE": "1"}):
         run_python(find + "assert (find('`moezoo train mote`', ['glm_ocr_mote'])[0] / 'model.safetensors').is_file()",
-                   env=fake_hub | hub, timeout=SECONDS)
+                   env=fake_hub | hub, timeout=SECONDS_IN_A_FRESH_PROCESS)
 
 
 @pytest.mark.slow
