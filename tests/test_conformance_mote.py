@@ -4,13 +4,20 @@ The testers follow the base models' own test files (`tests/models/llama/test_mod
 `tests/causal_lm_tester.py`, `tests/models/glm_ocr/test_modeling_glm_ocr.py`), with tiny configs: a 32-wide,
 two-layer decoder whose FFNs are two task experts and a shared expert, and tiny vision towers. Every batch routes its
 examples to both experts (`task_ids`), so the mixed-route dispatch runs in every test and every expert gets
-gradients. Skips are only those of the base model's own test file (cited) or tests that need a GPU or the network.
+gradients.
+
+No test is skipped here: the common tests skip themselves where they need an accelerator, flash-attn, DeepSpeed or
+kernels, or where they do not apply (a composite-model test on a text model and the reverse, checkpoint conversion
+mappings, which no zoo class has). GLM-OCR-MoTE overrides the two input-embedding tests as `GlmOcrModelTest` does;
+VideoLLM-MoTE applies the multimodal-outputs test, written for images, to its videos.
 """
 
 import copy
 import unittest
 
+import pytest
 import torch
+
 from moezoo.configuration.mote import GlmOcrMoteConfig, GlmOcrMoteTextConfig, LlamaMoteConfig, VideoLlmMoteConfig
 from moezoo.modeling.mote import (
     GlmOcrMoteForConditionalGeneration,
@@ -168,6 +175,8 @@ class GlmOcrMoteModelTester:
         return config, inputs
 
 
+# Every common test runs through a vision tower too: over a minute of CPU per class.
+@pytest.mark.slow
 class GlmOcrMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     all_model_classes = (GlmOcrMoteModel, GlmOcrMoteForConditionalGeneration)
     model_split_percents = [0.7, 0.9]  # as GlmOcrModelTest: too small to split at 0.5
@@ -249,6 +258,8 @@ class VideoLlmMoteModelTester:
         return config, inputs
 
 
+# Every common test runs through a vision tower too: over a minute of CPU per class.
+@pytest.mark.slow
 class VideoLlmMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     all_model_classes = (VideoLlmMoteModel, VideoLlmMoteForConditionalGeneration)
     _is_composite = True
@@ -276,3 +287,4 @@ class VideoLlmMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, Gene
             self.assertEqual(len(outputs.video_outputs.attentions), vision_layers)
             self.assertEqual(len(outputs.video_outputs.hidden_states), vision_layers + 1)
             self.assertEqual(len(outputs.video_outputs.pooler_output), self.model_tester.batch_size)
+
