@@ -287,4 +287,3 @@ class VideoLlmMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, Gene
             self.assertEqual(len(outputs.video_outputs.attentions), vision_layers)
             self.assertEqual(len(outputs.video_outputs.hidden_states), vision_layers + 1)
             self.assertEqual(len(outputs.video_outputs.pooler_output), self.model_tester.batch_size)
-
