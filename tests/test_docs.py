@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from huggingface_hub import constants as hub_constants
 import pytest
 
 
@@ -74,8 +75,11 @@ def run_bash(code: str, where: str, cwd: Path) -> None:
 
 @pytest.mark.parametrize("page", page_params())
 def test_page_runs(page, tmp_path, monkeypatch):
-    """The page's python and bash blocks, in order, in one empty folder."""
+    """The page's python and bash blocks, in order, in one empty folder, offline (HF_HUB_OFFLINE for this process too:
+    huggingface_hub reads it when it is imported, and whether it is offline from its constant)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     runnable = [(kind, line, code) for kind, line, code in code_blocks(page) if kind in RUN]
     for kind, line, code in runnable:
         where = f"{page_id(page)}:{line} ({kind} block)"
