@@ -19,8 +19,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from huggingface_hub import constants as hub_constants
 import pytest
+from huggingface_hub import constants as hub_constants
 
 
 ROOT = Path(__file__).resolve().parents[1]
