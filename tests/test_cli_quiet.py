@@ -49,6 +49,7 @@ def test_commands_show_their_own_progress_and_not_the_libraries(training_run):
     output = train(training_run, "quiet")
     assert "training" in output and "final_loss" in output  # moezoo's own bar and table
     assert [line for line in LIBRARY_LINES if line in output] == []
+    assert "train_runtime" not in output and "'loss'" not in output  # nor Trainer's log dictionaries
 
 
 def test_verbose_shows_the_libraries_output_too(training_run):

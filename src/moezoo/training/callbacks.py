@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..modeling.moe import update_routing_biases
 from ..terminal import progress_bar
@@ -94,5 +94,8 @@ class RichProgressCallback(TrainerCallback):
 
 
 def use_rich_progress(trainer) -> None:
+    # Trainer adds PrinterCallback, which prints every log dictionary, instead of its tqdm bar when transformers'
+    # logging is quieter than warnings (`disable_tqdm` defaults to that), as it is inside `quiet_libraries`.
     trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
     trainer.add_callback(RichProgressCallback())
