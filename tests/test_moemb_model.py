@@ -16,6 +16,8 @@ from moezoo.modeling.moemb import (
     PackedSequences,
     fla_chunk_gated_delta_rule,
     packed_gated_delta_net,
+    packed_sequences,
+    text_positions,
 )
 
 
@@ -326,6 +328,38 @@ def test_hidden_states_output(model, items):
     assert len(outputs.hidden_states) == model.config.text_config.num_hidden_layers + 1
     assert torch.equal(outputs.hidden_states[0], token_embeddings)
     assert torch.equal(outputs.hidden_states[-1], outputs.last_hidden_state)
+
+
+def test_output_flags_from_the_config_and_selected_hidden_states(items, tmp_path):
+    """Issue 16: `output_router_logits=True` in the config is honoured (and kept by save/load, on the text config where
+    transformers' MoE configs hold it); a list of indices as `output_hidden_states` returns only those."""
+    model = make_model(output_router_logits=True)
+    batch = padded_batch(items[:2])
+    with torch.no_grad():
+        assert len(model(**batch).router_logits) == model.config.text_config.num_hidden_layers
+        assert not model(**batch, output_router_logits=False).router_logits
+        everything = model(**batch, output_hidden_states=True).hidden_states
+        selected = model(**batch, output_hidden_states=[0, 3, -1]).hidden_states
+    model.save_pretrained(tmp_path)
+    assert MoEmbForEmbedding.from_pretrained(tmp_path).config.output_router_logits is True
+    assert [i for i, state in enumerate(selected) if state is not None] == [0, 3, len(everything) - 1]
+    for i in (0, 3, -1):
+        assert torch.equal(selected[i], everything[i])
+
+
+def test_text_positions_are_qwen_mrope_positions_of_text(model, items):
+    """Without visual inputs the text model positions the tokens itself: from each item's first real token (left
+    padding shifts nothing), every packed item from 0. These are the positions Qwen3.5's `get_rope_index` gives text
+    (on all three MRoPE axes), which the backbone uses when there are images or videos."""
+    text_items = [{"ids": [token for token in item["ids"] if token not in (IMAGE, VIDEO)]} for item in items]
+    for batch in (padded_batch(text_items, side="left"), packed_batch(text_items)):
+        input_ids, mask, cu_seqlens = batch["input_ids"], batch.get("attention_mask"), batch.get("cu_seqlens")
+        packed = packed_sequences(input_ids, None, mask, cu_seqlens)
+        expected = model.model.rope_positions(torch.zeros_like(input_ids), None, None, mask, packed)
+        got = text_positions(input_ids.shape, mask, packed, input_ids.device)
+        real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+        assert all(torch.equal(got[real], axis[real]) for axis in expected)
+    assert got[0, -1] == len(text_items[-1]["ids"]) - 1  # the last packed item counts from 0
 
 
 def test_contrastive_logits_are_scaled_cosines(model):

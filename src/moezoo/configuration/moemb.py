@@ -97,7 +97,12 @@ class MoEmbConfig(PreTrainedConfig):
             sub_config = getattr(self, key)
             if isinstance(sub_config, dict) and sub_config.get("model_type") in legacy_types:
                 setattr(self, key, {**sub_config, "model_type": model_type})
+        default_vision = self.vision_config is None
         super().__post_init__(**kwargs)  # builds the sub-configs from dicts / defaults
+        if default_vision:
+            # Qwen3_5MoeVisionConfig's default width (3584) is not Qwen3_5MoeTextConfig's (2048): the default tower
+            # projects into whichever text model it is given.
+            self.vision_config.out_hidden_size = self.text_config.hidden_size
         _require_choice(self, "moe_variant", MOE_VARIANTS)
         self._resolve_variant_defaults()
         self.validate_fields()
@@ -128,6 +133,15 @@ class MoEmbConfig(PreTrainedConfig):
     def hidden_size(self) -> int:
         """The embedding size (the text model's width)."""
         return self.text_config.hidden_size
+
+    @property
+    def output_router_logits(self) -> bool:
+        """Kept on `text_config`, where transformers' MoE configs (and `get_text_config()` users) hold it."""
+        return self.text_config.output_router_logits
+
+    @output_router_logits.setter
+    def output_router_logits(self, value: bool):
+        self.text_config.output_router_logits = value
 
     def moe_layer_spec(self) -> MoeLayerSpec:
         """Every decoder layer's MoE block, for the shared core (`SparseMoeBlock`)."""

@@ -33,7 +33,9 @@ from transformers.masking_utils import (
     create_recurrent_attention_mask,
     packed_sequence_mask_function,
 )
+from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeAttention,
     Qwen3_5MoeGatedDeltaNet,
@@ -43,7 +45,9 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeTextRotaryEmbedding,
     Qwen3_5MoeVisionModel,
 )
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig
 from .moe.block import SparseMoeBlock
@@ -67,8 +71,12 @@ class MoEmbModelOutput(ModelOutput):
     r"""
     last_hidden_state (`(batch_size, sequence_length, hidden_size)`, packed: `(1, total_length, hidden_size)`): the
         text model's output after its final norm; padding positions hold meaningless values.
-    hidden_states (`tuple`, *optional*, with `output_hidden_states=True`): the token embeddings (image and video
-        features included), the output of every layer but the last, and `last_hidden_state`.
+    hidden_states (`tuple`, *optional*, with `output_hidden_states=True`, or only the selected ones with a list of
+        indices): the token embeddings (image and video features included), the output of every layer but the last,
+        and `last_hidden_state`.
+    attentions (`tuple` of `(batch_size, num_heads, sequence_length, sequence_length)`, *optional*, with
+        `output_attentions=True` and eager attention): the weights of the gated-attention layers (the Gated DeltaNet
+        layers have none).
     router_logits (`tuple` of `(num_valid_tokens, num_experts)` per layer, *optional*, with
         `output_router_logits=True`): fp32 router logits of the non-padding tokens, in row-major token order.
     routing_counts (`(num_layers, 3, num_experts)` int64, *optional*, with `output_routing_counts=True`): (token,
@@ -77,6 +85,7 @@ class MoEmbModelOutput(ModelOutput):
 
     last_hidden_state: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     routing_counts: torch.Tensor | None = None
 
@@ -144,6 +153,49 @@ class PackedSequences:
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
         }
+
+
+def packed_sequences(
+    input_ids: torch.LongTensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> PackedSequences | None:
+    """Checks the `(B, S)` layout of a batch (`input_ids`, or `inputs_embeds` without them): padded, with an optional
+    mask of the same shape, or, with `cu_seqlens`, one packed row without a mask."""
+    tokens = input_ids if input_ids is not None else inputs_embeds[..., 0]
+    batch_shape = tokens.shape
+    if len(batch_shape) != 2:
+        raise ValueError(
+            "MoEMB needs input_ids of shape (batch, sequence), or (1, total_length) with cu_seqlens for a packed "
+            f"batch; got {tuple(batch_shape)}"
+        )
+    if attention_mask is not None and attention_mask.shape != batch_shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(batch_shape)}")
+    if cu_seqlens is None:
+        return None
+    if batch_shape[0] != 1 or attention_mask is not None:
+        raise ValueError(
+            "a packed batch is input_ids of shape (1, total_length) with cu_seqlens and no attention_mask, got "
+            f"input_ids {tuple(batch_shape)}" + (" and an attention_mask" if attention_mask is not None else "")
+        )
+    return PackedSequences.from_cu_seqlens(cu_seqlens.to(tokens.device), batch_shape[1])
+
+
+def text_positions(
+    batch_shape: tuple[int, int],
+    attention_mask: torch.Tensor | None,
+    packed: PackedSequences | None,
+    device: torch.device,
+) -> torch.LongTensor:
+    """`(B, S)` positions of text-only items, counted from each item's first real token, as `get_rope_index` counts
+    them for text: left padding does not shift them, and every item of a packed row starts at 0."""
+    if packed is not None:
+        positions = torch.arange(batch_shape[1], device=device)
+        return (positions - packed.cu_seqlens[:-1].long()[packed.segment_ids])[None]
+    if attention_mask is None:
+        return torch.arange(batch_shape[1], device=device).expand(batch_shape)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def packed_gated_delta_net(
@@ -216,8 +268,10 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
         token_mask: torch.Tensor | None = None,  # (B, S), 1 = token to route; None = all
         routes: torch.Tensor | None = None,  # (B, S) expert ids of the modality variant's fixed routing
         packed: PackedSequences | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new hidden states and the router logits of the routed tokens (None for fixed routes)."""
+        **kwargs: Unpack[FlashAttentionKwargs],
+    ) -> torch.Tensor:
+        """The new hidden states; the attention weights and router logits are recorded by `capture_outputs` hooks on
+        the attention and the MoE block."""
         mixer_input = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
             if packed is not None:
@@ -225,16 +279,15 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
             else:
                 mixer_output = self.linear_attn(mixer_input, attention_mask=attention_mask)
         else:
-            attention_kwargs = packed.attention_kwargs() if packed is not None else {}
+            if packed is not None:
+                kwargs = {**kwargs, **packed.attention_kwargs()}
             mixer_output, _ = self.self_attn(
-                mixer_input, position_embeddings=position_embeddings, attention_mask=attention_mask, **attention_kwargs
+                mixer_input, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
             )
         hidden_states = hidden_states + mixer_output
 
-        moe_output, router_logits = self.mlp(
-            self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes
-        )
-        return hidden_states + moe_output, router_logits
+        moe_output, _ = self.mlp(self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes)
+        return hidden_states + moe_output
 
 
 # --- pretrained models --------------------------------------------------------------------------------------------
@@ -249,8 +302,13 @@ class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
     input_modalities = ("image", "video", "text")
     _no_split_modules = ["MoEmbDecoderLayer", "Qwen3_5MoeVisionBlock"]
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\.", r"^mtp\."]
-    # The forward is a plain loop (no transformers output capturing), with host syncs in positions and packing.
-    _can_record_outputs = {}
+    _can_record_outputs = {
+        # The core's block returns the fp32 logits of the routed (non-padding) tokens second; None for fixed routes.
+        "router_logits": OutputRecorder(SparseMoeBlock, index=1),
+        "hidden_states": MoEmbDecoderLayer,
+        "attentions": Qwen3_5MoeAttention,
+    }
+    # Host syncs in positions and packing; no cache (an embedder encodes each input once).
     _can_compile_fullgraph = False
     _is_stateful = False
 
@@ -262,8 +320,11 @@ class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
 
 class MoEmbTextModel(MoEmbPreTrainedModel):
     """`Qwen3_5MoeTextModel`'s modules (same names) with MoEMB's decoder layers and layer loop. Built from the full
-    `MoEmbConfig`, it holds `text_config` as its own config, where transformers sets the attention and experts
-    implementations its modules read."""
+    `MoEmbConfig` (the MoE variant, shared expert and modality routes are MoEMB fields), it holds `text_config` as its
+    own config, as `Qwen3_5MoeTextModel` does: transformers sets the attention and experts implementations there, and
+    the text model's output flags (`output_router_logits`, ...) are read from it."""
+
+    config: Qwen3_5MoeTextConfig
 
     def __init__(self, config: MoEmbConfig):
         text_config = config.text_config
@@ -275,17 +336,42 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
         self.modality_expert_map = config.modality_expert_map if config.moe_variant == "modality" else None
         self.post_init()
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.embed_tokens = value
+
+    @capture_outputs
     def forward(
         self,
-        inputs_embeds: torch.Tensor,  # (B, S, H) or packed (1, T, H)
-        position_ids: torch.Tensor,  # (3, B, S) MRoPE positions (temporal, height, width)
-        token_modality: torch.Tensor,  # (B, S) 0 text, 1 image, 2 video
-        attention_mask: torch.Tensor | None = None,  # (B, S), 1 = real token; None for packed batches
-        packed: PackedSequences | None = None,
-        output_hidden_states: bool = False,
-        output_router_logits: bool = False,
+        input_ids: torch.LongTensor | None = None,  # (B, S), or packed (1, T) with cu_seqlens
+        attention_mask: torch.Tensor | None = None,  # (B, S), 1 = real token; not with cu_seqlens
+        position_ids: torch.LongTensor | None = None,  # (3, B, S) MRoPE or (B, S) text positions; default: text
+        inputs_embeds: torch.Tensor | None = None,  # (B, S, H) instead of input_ids
+        mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: all text
+        cu_seqlens: torch.Tensor | None = None,  # (B + 1,) item bounds of a packed batch
         output_routing_counts: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("MoEMB needs exactly one of input_ids and inputs_embeds")
+        packed = packed_sequences(input_ids, inputs_embeds, attention_mask, cu_seqlens)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        output_router_logits = kwargs.get("output_router_logits", self.config.output_router_logits)
+        if output_router_logits and self.modality_expert_map is not None:
+            raise ValueError(
+                "moe_variant='modality' routes by token modality and has no router logits; ask for "
+                "output_routing_counts=True instead"
+            )
+        if mm_token_type_ids is None:
+            mm_token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = text_positions(inputs_embeds.shape[:2], attention_mask, packed, inputs_embeds.device)
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+
         hidden_states = inputs_embeds
         if packed is not None:
             masks = {
@@ -294,7 +380,7 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
                     and_mask_function=packed_sequence_mask_function(packed.segment_ids[None]),
                 ),
                 "linear_attention": None,  # sequences are kept apart by running them one by one
-            }
+            }  # fmt: skip
         else:
             masks = {
                 "full_attention": create_causal_mask(
@@ -306,34 +392,23 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
         routes = None
         if self.modality_expert_map is not None:
             expert_of_modality = [self.modality_expert_map[modality] for modality in sorted(TOKEN_MODALITIES)]
-            routes = torch.tensor(expert_of_modality, device=token_modality.device)[token_modality]
+            routes = torch.tensor(expert_of_modality, device=mm_token_type_ids.device)[mm_token_type_ids]
 
-        all_hidden_states = [hidden_states] if output_hidden_states else None
-        all_router_logits = [] if output_router_logits else None
         with self._routing_recorder(output_routing_counts) as routing:
             if routing is not None:
-                routing.set_groups(token_modality)
+                routing.set_groups(mm_token_type_ids)
             for layer in self.layers:
-                hidden_states, router_logits = layer(
+                hidden_states = layer(
                     hidden_states,
                     position_embeddings=position_embeddings,
                     attention_mask=masks[layer.layer_type],
                     token_mask=attention_mask,
                     routes=routes,
                     packed=packed,
+                    **kwargs,
                 )
-                if all_hidden_states is not None:
-                    all_hidden_states.append(hidden_states)
-                if all_router_logits is not None:
-                    all_router_logits.append(router_logits)
-        hidden_states = self.norm(hidden_states)
-        if all_hidden_states is not None:
-            all_hidden_states[-1] = hidden_states  # as transformers: the last entry is the normed output
-
         return MoEmbModelOutput(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
-            router_logits=tuple(all_router_logits) if output_router_logits else None,
+            last_hidden_state=self.norm(hidden_states),
             routing_counts=(
                 torch.stack([routing.counts[routing.layer_names[layer.mlp]] for layer in self.layers])
                 if output_routing_counts
@@ -354,7 +429,8 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
 
 class MoEmbModel(MoEmbPreTrainedModel):
     """The backbone: `Qwen3_5MoeModel`'s vision tower, placeholder scattering and MRoPE positions, with
-    MoEMB's text model. `forward` returns the text model's hidden states; `MoEmbForEmbedding` pools them."""
+    MoEMB's text model. `forward` returns the text model's hidden states; `MoEmbForEmbedding` pools them. As in
+    `Qwen3_5MoeModel`, placeholders without pixels are embedded as ordinary tokens; the embedder refuses them."""
 
     # Qwen3.5's multimodal plumbing, reused as is.
     get_vision_position_ids = Qwen3_5MoeModel.get_vision_position_ids
@@ -378,26 +454,28 @@ class MoEmbModel(MoEmbPreTrainedModel):
     @can_return_tuple
     def forward(
         self,
-        input_ids: torch.LongTensor,  # (B, S), or packed (1, T) with cu_seqlens
+        input_ids: torch.LongTensor | None = None,  # (B, S), or packed (1, T) with cu_seqlens
         attention_mask: torch.Tensor | None = None,  # (B, S), 1 = real token; not with cu_seqlens
+        position_ids: torch.LongTensor | None = None,  # (3, B, S) MRoPE positions; default: computed
+        inputs_embeds: torch.Tensor | None = None,  # (B, S, H) instead of input_ids, placeholders included
         pixel_values: torch.Tensor | None = None,  # (image patches, C * T_p * P * P)
         pixel_values_videos: torch.Tensor | None = None,
         image_grid_thw: torch.LongTensor | None = None,  # (images, 3)
         video_grid_thw: torch.LongTensor | None = None,
-        mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: from input_ids
-        position_ids: torch.LongTensor | None = None,  # (3, B, S) MRoPE positions; default: computed
+        mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: the placeholders
         cu_seqlens: torch.Tensor | None = None,  # (B + 1,) item bounds of a packed batch
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool = False,
         output_routing_counts: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
-        packed = self._check_inputs(input_ids, attention_mask, cu_seqlens, output_router_logits)
-        self._check_visual_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("MoEMB needs exactly one of input_ids and inputs_embeds")
+        # Validated before the vision tower runs: a malformed batch fails fast.
+        packed = packed_sequences(input_ids, inputs_embeds, attention_mask, cu_seqlens)
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
         if mm_token_type_ids is None:
-            mm_token_type_ids = (input_ids == self.config.image_token_id).long()
-            mm_token_type_ids += 2 * (input_ids == self.config.video_token_id).long()
-        inputs_embeds = self.get_input_embeddings()(input_ids)
+            image_placeholders, video_placeholders = self.get_placeholder_mask(input_ids, inputs_embeds)
+            mm_token_type_ids = image_placeholders[..., 0].long() + 2 * video_placeholders[..., 0].long()
         if pixel_values is not None:
             image_outputs = self.get_image_features(pixel_values, image_grid_thw, return_dict=True)
             image_features = torch.cat(image_outputs.pooler_output).to(inputs_embeds)
@@ -408,26 +486,22 @@ class MoEmbModel(MoEmbPreTrainedModel):
             video_features = torch.cat(video_outputs.pooler_output).to(inputs_embeds)
             _, video_mask = self.get_placeholder_mask(input_ids, inputs_embeds, video_features=video_features)
             inputs_embeds = inputs_embeds.masked_scatter(video_mask, video_features)
-        if position_ids is None:
+        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
             position_ids = self.rope_positions(
-                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, packed
-            )
+                mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, packed
+            )  # without visual inputs, the text model's own text positions are the same as Qwen's
         return self.language_model(
-            inputs_embeds,
-            position_ids=position_ids,
-            token_modality=mm_token_type_ids,
+            inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            packed=packed,
-            output_hidden_states=(
-                output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-            ),
-            output_router_logits=output_router_logits,
+            position_ids=position_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            cu_seqlens=cu_seqlens,
             output_routing_counts=output_routing_counts,
+            **kwargs,
         )
 
     def rope_positions(
         self,
-        input_ids: torch.LongTensor,
         mm_token_type_ids: torch.Tensor,
         image_grid_thw: torch.LongTensor | None,
         video_grid_thw: torch.LongTensor | None,
@@ -435,59 +509,20 @@ class MoEmbModel(MoEmbPreTrainedModel):
         packed: PackedSequences | None,
     ) -> torch.LongTensor:
         """`(3, B, S)` MRoPE positions from Qwen3.5's `get_rope_index`, counted from each item's first real token
-        (so left padding does not shift them). A packed row is unpacked for it, and the positions packed back."""
+        (so left padding does not shift them). A packed row is unpacked for it, and the positions packed back.
+        `get_rope_index` reads only the shape of its `input_ids`, so the token types stand in for them (the ids may
+        not be there: `inputs_embeds`)."""
         if packed is None:
             positions, _ = self.get_rope_index(
-                input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask=attention_mask
+                mm_token_type_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask=attention_mask
             )
             return positions
         index, real = packed.padded_layout()
+        token_types = mm_token_type_ids[0, index]
         positions, _ = self.get_rope_index(
-            input_ids[0, index], mm_token_type_ids[0, index], image_grid_thw, video_grid_thw, attention_mask=real
+            token_types, token_types, image_grid_thw, video_grid_thw, attention_mask=real
         )
         return positions[:, real][:, None, :]
-
-    def _check_inputs(self, input_ids, attention_mask, cu_seqlens, output_router_logits) -> PackedSequences | None:
-        if input_ids is None or input_ids.ndim != 2:
-            raise ValueError(
-                "MoEMB needs input_ids of shape (batch, sequence), or (1, total_length) with cu_seqlens for a packed "
-                f"batch; got {None if input_ids is None else tuple(input_ids.shape)}"
-            )
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}"
-            )
-        if output_router_logits and self.config.moe_variant == "modality":
-            raise ValueError(
-                "moe_variant='modality' routes by token modality and has no router logits; ask for "
-                "output_routing_counts=True instead"
-            )
-        if cu_seqlens is None:
-            return None
-        if input_ids.shape[0] != 1 or attention_mask is not None:
-            raise ValueError(
-                "a packed batch is input_ids of shape (1, total_length) with cu_seqlens and no attention_mask, got "
-                f"input_ids {tuple(input_ids.shape)}" + (" and an attention_mask" if attention_mask is not None else "")
-            )
-        return PackedSequences.from_cu_seqlens(cu_seqlens.to(input_ids.device), input_ids.shape[1])
-
-    def _check_visual_inputs(self, input_ids, **visual_inputs) -> None:
-        """Placeholders need their pixels and grid, and pixels their grid (e.g. a collator that dropped the visual
-        keys): without this, the vision tower fails with an unrelated TypeError or AttributeError."""
-        for kind, token_id, pixels, grid in (
-            ("image", self.config.image_token_id, "pixel_values", "image_grid_thw"),
-            ("video", self.config.video_token_id, "pixel_values_videos", "video_grid_thw"),
-        ):
-            missing = [name for name in (pixels, grid) if visual_inputs[name] is None]
-            if not missing:
-                continue
-            num_placeholders = int((input_ids == token_id).sum())
-            if num_placeholders or visual_inputs[pixels] is not None:
-                raise ValueError(
-                    f"input_ids hold {num_placeholders} {kind} placeholder tokens (id {token_id}) but "
-                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: pass {pixels} and "
-                    f"{grid} as the processor returned them with these input_ids"
-                )
 
 
 class MoEmbForEmbedding(MoEmbPreTrainedModel):
@@ -512,38 +547,40 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
     @can_return_tuple
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         image_grid_thw: torch.LongTensor | None = None,
         video_grid_thw: torch.LongTensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         pooled_index: torch.LongTensor | None = None,  # (B,) position of each item's pooled token
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool = False,
         output_routing_counts: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbOutput:
         """Inputs as `MoEmbModel.forward` (what the processor returns), plus an optional `pooled_index`: for padded
         batches the position in each row, for packed ones the position in the packed row."""
+        self._check_visual_inputs(input_ids, inputs_embeds, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                  pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         if pooled_index is None:  # before the forward: a batch without its <emb> tokens fails fast
-            pooled_index = self.pooled_positions(input_ids, attention_mask, cu_seqlens)
+            pooled_index = self.pooled_positions(input_ids, attention_mask, cu_seqlens, inputs_embeds)
         outputs = self.model(
-            input_ids,
+            input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
             pixel_values=pixel_values,
             pixel_values_videos=pixel_values_videos,
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             mm_token_type_ids=mm_token_type_ids,
-            position_ids=position_ids,
             cu_seqlens=cu_seqlens,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
             output_routing_counts=output_routing_counts,
             return_dict=True,
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         if cu_seqlens is not None:
@@ -556,25 +593,33 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
         return MoEmbOutput(embeddings=embeddings, pooled_index=pooled_index, **outputs)
 
     def pooled_positions(
-        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.LongTensor:
-        """`(B,)` position of each item's pooled token: its last `<emb>` token, or its last real token."""
-        device = input_ids.device
+        """`(B,)` position of each item's pooled token: its last `<emb>` token, or its last real token. Without
+        `input_ids`, `<emb>` tokens are found in `inputs_embeds` by their embedding, as transformers finds image
+        placeholders."""
+        tokens = input_ids if input_ids is not None else inputs_embeds[..., 0]  # (B, S): the batch layout
+        device, length = tokens.device, tokens.shape[1]
+        positions = torch.arange(length, device=device)
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(device)
             if self.config.pooling == "last_token":
                 return (cu_seqlens[1:] - 1).long()
-            packed = PackedSequences.from_cu_seqlens(cu_seqlens, input_ids.shape[1])
-            is_emb = input_ids[0] == self._emb_token_id()
-            positions = torch.arange(input_ids.shape[1], device=device)
+            packed = PackedSequences.from_cu_seqlens(cu_seqlens, length)
+            is_emb = self._token_mask(self._emb_token_id(), input_ids, inputs_embeds)[0]
             pooled = torch.full((packed.num_sequences,), -1, dtype=torch.long, device=device)
             pooled = pooled.scatter_reduce(0, packed.segment_ids[is_emb], positions[is_emb], reduce="amax")
         else:
-            is_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            is_real = torch.ones(tokens.shape, dtype=torch.bool, device=device)
+            if attention_mask is not None:
+                is_real = attention_mask.bool()
             candidates = is_real
             if self.config.pooling == "emb_token":
-                candidates = is_real & (input_ids == self._emb_token_id())
-            positions = torch.arange(input_ids.shape[1], device=device)
+                candidates = is_real & self._token_mask(self._emb_token_id(), input_ids, inputs_embeds)
             pooled = torch.where(candidates, positions, -1).amax(dim=-1)
         missing = (pooled < 0).nonzero().flatten().tolist()
         if missing:
@@ -586,6 +631,35 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
                 f"keeps {self.config.emb_token} last), or pass pooled_index"
             )
         return pooled
+
+    def _check_visual_inputs(self, input_ids, inputs_embeds, **visual_inputs) -> None:
+        """Placeholders need their pixels and grid, and pixels their grid (e.g. a collator that dropped the visual
+        keys): without this, the vision tower fails with an unrelated TypeError or AttributeError, or the
+        placeholders are silently embedded as text."""
+        for kind, token_id, pixels, grid in (
+            ("image", self.config.image_token_id, "pixel_values", "image_grid_thw"),
+            ("video", self.config.video_token_id, "pixel_values_videos", "video_grid_thw"),
+        ):
+            missing = [name for name in (pixels, grid) if visual_inputs[name] is None]
+            if not missing:
+                continue
+            num_placeholders = int(self._token_mask(token_id, input_ids, inputs_embeds).sum())
+            if num_placeholders or visual_inputs[pixels] is not None:
+                raise ValueError(
+                    f"input_ids hold {num_placeholders} {kind} placeholder tokens (id {token_id}) but "
+                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: pass {pixels} and "
+                    f"{grid} as the processor returned them with these input_ids"
+                )
+
+    def _token_mask(
+        self, token_id: int, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`(B, S)` where `token_id` is; without `input_ids`, found by its embedding, as transformers finds image
+        placeholders in `inputs_embeds`."""
+        if input_ids is not None:
+            return input_ids == token_id
+        token_embedding = self.get_input_embeddings()(torch.tensor(token_id, device=inputs_embeds.device))
+        return (inputs_embeds == token_embedding).all(-1)
 
     def _emb_token_id(self) -> int:
         if self.config.emb_token_id is None:
