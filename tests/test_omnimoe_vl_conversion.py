@@ -111,7 +111,7 @@ def test_c2_streams_equal_siglip_hidden_states(converted, sources, implementatio
     siglip = SiglipVisionModel.from_pretrained(sources / "siglip").eval()
     pixel_values = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        streams, _ = converted.model.get_image_features(pixel_values)
+        streams = converted.model.visual_streams(converted.model.get_image_features(pixel_values))
         expected = siglip(pixel_values=pixel_values, output_hidden_states=True).hidden_states
     assert streams.shape == (2, len(TAPS), 16, 32)
     difference = (streams - torch.stack([expected[index] for index in TAPS], dim=1)).abs().max()
@@ -125,7 +125,7 @@ def test_c2_naflex_siglip2_source(sources, tmp_path):
     pixel_values = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
     patches, mask, shapes = naflex_patches(pixel_values, 16)
     with torch.no_grad():
-        streams, _ = model.model.get_image_features(pixel_values)
+        streams = model.model.visual_streams(model.model.get_image_features(pixel_values))
         expected = siglip2(pixel_values=patches, pixel_attention_mask=mask, spatial_shapes=shapes,
                            output_hidden_states=True).hidden_states
     # Not bitwise: SigLIP2 resizes its position embeddings even at the native grid (spec §5.1: ~5e-6).
@@ -246,7 +246,7 @@ def test_full_siglip_checkpoint_drops_the_text_tower(sources, tmp_path):
     model = OmniMoeVlForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
     pixel_values = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        streams, _ = model.model.get_image_features(pixel_values)
+        streams = model.model.visual_streams(model.model.get_image_features(pixel_values))
         expected = full.vision_model(pixel_values=pixel_values, output_hidden_states=True).hidden_states
     assert (streams - torch.stack([expected[index] for index in TAPS], dim=1)).abs().max() <= 1e-5
 

@@ -183,9 +183,9 @@ def test_output_shapes_and_sparsity():
     assert bool(((out.depth_route > 0).sum(-1) == 2).all())  # k nonzero per row
     assert bool(((out.fusion_weights > 0).sum(-1) == 2).all())  # k_loc nonzero per group
     assert torch.equal(out.fusion_weights > 0, (out.depth_route > 0)[:, None].expand_as(out.fusion_weights))
-    assert len(out.router_logits) == 3 and len(out.vision_router_logits) == 3 and len(out.hidden_states) == 7
+    assert len(out.router_logits) == 3 and len(out.image_outputs.router_logits) == 3 and len(out.hidden_states) == 7
     assert out.router_logits[0].shape == (int(attention_mask.sum()), 8)  # padding is never routed
-    assert out.vision_router_logits[0].shape == (2 * NUM_PATCHES, 8)
+    assert out.image_outputs.router_logits[0].shape == (2 * NUM_PATCHES, 8)
 
 
 def test_p10_local_log_ratio():
@@ -206,7 +206,7 @@ def test_p11_fusion_is_group_local_with_the_route_fixed():
     model = tiny_model()
     input_ids, attention_mask, pixel_values = batch(ROWS[:1])
     with torch.no_grad():
-        streams, _ = model.model.get_image_features(pixel_values)
+        streams = model.model.visual_streams(model.model.get_image_features(pixel_values))
         route = model(input_ids=input_ids, visual_streams=streams).depth_route
         override = {"fusion": route, "injection": route}
         base = model(input_ids=input_ids, visual_streams=streams, route_override=override).image_hidden_states
@@ -253,8 +253,8 @@ def test_injection_acts_only_before_anchors_on_the_route():
     support = (out.depth_route[0] > 0).nonzero().flatten().tolist()  # streams s, anchored before layer s
     first = min(support)
     for index, (ours, theirs) in enumerate(zip(out.hidden_states, base.hidden_states)):
-        # hidden_states[i] is the input of layer i: injection before layer `first` shows from index first + 1 on
-        assert torch.equal(ours, theirs) == (index <= first), index
+        # hidden_states[i] is the input of layer i, after the injection: it differs from the first anchor on
+        assert torch.equal(ours, theirs) == (index < first), index
     # An anchor whose stream is off the route adds exactly nothing.
     off_route = next(stream for stream in range(3) if stream not in support)
     delta = model.model.projector.injection.residual(

@@ -412,7 +412,7 @@ def measure_differences(
 
     vision = config.vision_config
     pixel_values = torch.randn(2, vision.num_channels, vision.image_size, vision.image_size, generator=generator)
-    streams, _ = converted.model.get_image_features(pixel_values)
+    streams = converted.model.visual_streams(converted.model.get_image_features(pixel_values))
     reference_streams = _source_vision_streams(Path(vision_source), pixel_values, config)
     differences["vision_streams"] = float((streams - reference_streams).abs().max())
     converted.set_experts_implementation(previous)

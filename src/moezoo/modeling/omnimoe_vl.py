@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutput, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeAttention,
@@ -65,6 +65,9 @@ from .omnimoe_vl_projector import (
 )
 
 
+# The attribute of a KV cache that keeps its sequences' injection context: a decode step given only the cache continues
+# with the context of the prefill that filled it (as MoTE keeps its routes with the cache).
+ROUTING_CONTEXT_OF_CACHE = "omnimoe_vl_routing_context"
 # What `output_router_logits=True` records in either stack: each token router's fp32 logits (its first output).
 ROUTER_LOGITS = OutputRecorder(TopKRouter, index=0)
 
@@ -73,11 +76,12 @@ ROUTER_LOGITS = OutputRecorder(TopKRouter, index=0)
 
 
 @dataclass
-class OmniMoeVlVisionOutput(BaseModelOutput):
+class OmniMoeVlVisionOutput(BaseModelOutputWithPooling):
     r"""
     last_hidden_state (`(batch_size, num_patches, hidden_size)`): the last block's output (no final norm).
-    hidden_states (`tuple`): the patch embeddings and every block's output; `output_hidden_states=[i, ...]` keeps
-        only those indices (the others are None).
+    pooler_output (`(batch_size, num_streams * num_patches, hidden_size)`, *optional*): from `get_image_features`,
+        the visual streams the projector reads, stream after stream (`view(batch, num_streams, num_patches, -1)`).
+    hidden_states (`tuple`, *optional*): the patch embeddings and every block's output.
     router_logits (`tuple` of `(batch_size * num_patches, num_experts)`, *optional*): each MoE block's fp32 logits.
     """
 
@@ -88,11 +92,12 @@ class OmniMoeVlVisionOutput(BaseModelOutput):
 class OmniMoeVlModelOutputWithPast(MoeModelOutputWithPast):
     r"""
     router_logits (`tuple`, *optional*): the language routers' fp32 logits of the non-padding tokens, per MoE layer.
-    vision_router_logits (`tuple`, *optional*): the vision routers' fp32 logits, per MoE block.
+    image_outputs (`OmniMoeVlVisionOutput`, *optional*): the vision tower's outputs (`get_image_features`), with the
+        vision routers' logits in `image_outputs.router_logits`.
     image_hidden_states (`(batch_size, num_patches, hidden_size)`, *optional*): Z, the fused tokens placed at the
         image placeholders.
-    routing_context (`OmniMoeVlRoutingContext`, *optional*): the injection context of each sample; `generate` passes
-        it to the decode steps.
+    routing_context (`OmniMoeVlRoutingContext`, *optional*): the injection context of each sample, also kept with
+        the returned cache, so that decode steps continue with it.
     depth_route / depth_scores (`(batch_size, num_streams)` fp32, *optional*): the route w (top-k sparse) and the
         content scores r it was drawn from.
     query_weights (`(batch_size, num_query_prototypes)` fp32, *optional*): p.
@@ -100,7 +105,7 @@ class OmniMoeVlModelOutputWithPast(MoeModelOutputWithPast):
     prototypes / router_queries / prompt_lengths (*optional*): q, t and L_T, for the auxiliary losses.
     """
 
-    vision_router_logits: tuple[torch.Tensor, ...] | None = None
+    image_outputs: OmniMoeVlVisionOutput | None = None
     image_hidden_states: torch.Tensor | None = None
     routing_context: OmniMoeVlRoutingContext | None = None
     depth_route: torch.Tensor | None = None
@@ -117,7 +122,7 @@ class OmniMoeVlCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     r"""`MoeCausalLMOutputWithPast` plus the fields of `OmniMoeVlModelOutputWithPast` beyond its own. `aux_loss` is
     the token experts' load-balancing loss of both stacks, weighted by their `router_aux_loss_coef`."""
 
-    vision_router_logits: tuple[torch.Tensor, ...] | None = None
+    image_outputs: OmniMoeVlVisionOutput | None = None
     image_hidden_states: torch.Tensor | None = None
     routing_context: OmniMoeVlRoutingContext | None = None
     depth_route: torch.Tensor | None = None
@@ -129,7 +134,7 @@ class OmniMoeVlCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     prompt_lengths: torch.Tensor | None = None
 
 
-ROUTING_FIELDS = ("vision_router_logits", "image_hidden_states", "routing_context", "depth_route", "depth_scores",
+ROUTING_FIELDS = ("image_outputs", "image_hidden_states", "routing_context", "depth_route", "depth_scores",
                   "query_weights", "fusion_weights", "prototypes", "router_queries", "prompt_lengths")
 
 
@@ -191,8 +196,7 @@ class OmniMoeVlVisionModel(MoePreTrainedMixin, SiglipPreTrainedModel):
 
 
 class OmniMoeVlDecoderLayer(Qwen3MoeDecoderLayer):
-    """`Qwen3MoeDecoderLayer` with the core's MoE block (padding never routed) and the routed injection added to the
-    layer's input when the layer anchors a stream (Eq. 11: before the block)."""
+    """`Qwen3MoeDecoderLayer` with the core's MoE block: padding tokens are never routed."""
 
     def __init__(self, config: OmniMoeVlTextConfig, layer_idx: int):
         GradientCheckpointingLayer.__init__(self)
@@ -216,11 +220,8 @@ class OmniMoeVlDecoderLayer(Qwen3MoeDecoderLayer):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         token_mask: torch.Tensor | None = None,  # (B, L) 1 = real token: what the experts route
-        injection: RoutedInjection | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        if injection is not None:
-            hidden_states = injection.apply(self.layer_idx, hidden_states)
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
@@ -243,9 +244,10 @@ class OmniMoeVlDecoderLayer(Qwen3MoeDecoderLayer):
 
 
 class OmniMoeVlTextModel(MoePreTrainedMixin, Qwen3MoeModel):
-    """`Qwen3MoeModel` (same modules and keys) whose forward passes the routed injection and the token mask to every
-    layer (the way `Qwen3VLTextModel` passes DeepStack features): no hooks, so gradient checkpointing and compilation
-    see plain arguments."""
+    """`Qwen3MoeModel` (same modules and keys) whose layer loop adds the routed injection to the input of each anchor
+    layer (Eq. 11: before the block), the way `Qwen3VLTextModel` adds DeepStack features: outside the layers, so that
+    (reentrant or not) activation checkpointing sees the injected hidden states as the layer's input, and no hooks.
+    `hidden_states[i]` of the outputs is the input of layer i, after the injection."""
 
     config: OmniMoeVlTextConfig
     _no_split_modules = ["OmniMoeVlDecoderLayer"]
@@ -308,6 +310,8 @@ class OmniMoeVlTextModel(MoePreTrainedMixin, Qwen3MoeModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in self.layers:
+            if injection is not None:
+                hidden_states = injection.apply(decoder_layer.layer_idx, hidden_states)
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -316,7 +320,6 @@ class OmniMoeVlTextModel(MoePreTrainedMixin, Qwen3MoeModel):
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 token_mask=token_mask,
-                injection=injection,
                 **kwargs,
             )
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
@@ -381,43 +384,68 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding):
         self.language_model.embed_tokens = value
 
+    @can_return_tuple
     def get_image_features(
-        self, pixel_values: torch.Tensor, output_router_logits: bool = False
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """The visual streams V (B, S, N, d_V): the tower's hidden states at `vision_feature_layers`, and the vision
-        routers' logits when asked."""
+        self, pixel_values: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> OmniMoeVlVisionOutput:
+        """The vision tower's outputs, with the visual streams V as `pooler_output` (B, S * N, d_V): the hidden states
+        at `vision_feature_layers`, stream after stream. Only the tapped hidden states are kept unless
+        `output_hidden_states=True` asks for all of them."""
         taps = self.config.vision_feature_layers
-        outputs = self.vision_tower(pixel_values, output_hidden_states=taps, output_router_logits=output_router_logits)
-        streams = torch.stack([outputs.hidden_states[index] for index in taps], dim=1)
-        return streams, outputs.router_logits
+        everything = bool(kwargs.pop("output_hidden_states", None) or self.config.vision_config.output_hidden_states)
+        outputs = self.vision_tower(pixel_values, output_hidden_states=True if everything else taps, **kwargs)
+        outputs.pooler_output = torch.cat([outputs.hidden_states[index] for index in taps], dim=1)
+        if not everything:
+            outputs.hidden_states = None
+        return outputs
 
-    def get_placeholder_mask(self, input_ids: torch.LongTensor, num_images: int) -> torch.Tensor:
+    def visual_streams(self, image_outputs: OmniMoeVlVisionOutput) -> torch.Tensor:
+        """`get_image_features(...).pooler_output` as the streams V (B, S, N, d_V)."""
+        batch, _, width = image_outputs.pooler_output.shape
+        return image_outputs.pooler_output.view(batch, self.config.num_streams, -1, width)
+
+    def token_mask(
+        self, token_ids: list[int], input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, L) bool: where the tokens `token_ids` are; from `inputs_embeds` (their embedding rows, as LLaVA does)
+        when there are no `input_ids`."""
+        if input_ids is not None:
+            return torch.isin(input_ids, torch.tensor(token_ids, device=input_ids.device))
+        embeddings = self.get_input_embeddings()(torch.tensor(token_ids, device=inputs_embeds.device))
+        return (inputs_embeds[:, :, None] == embeddings.to(inputs_embeds.dtype)).all(-1).any(-1)
+
+    def get_placeholder_mask(
+        self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor, num_images: int
+    ) -> torch.Tensor:
         """(B, L) bool: the image placeholders, checked to be `num_image_tokens` per row, one image per row."""
-        mask = input_ids == self.config.image_token_id
+        mask = self.token_mask([self.config.image_token_id], input_ids, inputs_embeds)
         per_row = mask.sum(dim=-1)
         expected = self.config.num_image_tokens
-        if num_images != input_ids.shape[0] or bool((per_row != expected).any()):
+        if num_images != mask.shape[0] or bool((per_row != expected).any()):
             raise ValueError(
                 f"OmniMoE-VL takes one image per sample, each written as {expected} <|image_pad|> tokens (id "
-                f"{self.config.image_token_id}): got {num_images} images for {input_ids.shape[0]} rows, with "
+                f"{self.config.image_token_id}): got {num_images} images for {mask.shape[0]} rows, with "
                 f"{per_row.tolist()} placeholders per row; let the processor expand the image placeholder"
             )
         return mask
 
-    def default_prompt_mask(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def default_prompt_mask(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Without a processor's `prompt_mask`: every real token that is not an image or vision marker token."""
         config = self.config
-        vision_ids = torch.tensor(
-            [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id], device=input_ids.device
-        )
-        mask = ~torch.isin(input_ids, vision_ids)
-        return mask if attention_mask is None else mask & attention_mask.bool()
+        vision_ids = [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id]
+        mask = ~self.token_mask(vision_ids, input_ids, inputs_embeds)
+        return mask if attention_mask is None else mask & attention_mask[:, -mask.shape[1]:].bool()
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        input_ids: torch.LongTensor,  # (B, L)
+        input_ids: torch.LongTensor | None = None,  # (B, L)
         attention_mask: torch.Tensor | None = None,  # (B, past + L)
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
@@ -426,6 +454,7 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
         visual_streams: torch.Tensor | None = None,  # (B, S, N, d_V): precomputed streams instead of pixel_values
         routing_context: OmniMoeVlRoutingContext | None = None,  # a prefill's context, for decode steps
         route_override: dict[str, torch.Tensor | None] | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # (B, L, d) instead of input_ids
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -434,7 +463,8 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
         prompt_mask: which tokens condition the route (spec D9); default every real token that is not an image or
             vision marker token. It must not include answer tokens (the route must not see the answer).
         visual_streams: a test and analysis hook (spec §2.9): streams that skip the vision tower.
-        routing_context: the injection context of the prefill, which decode steps reuse; ignored when images are given.
+        routing_context: the injection context of the prefill, which decode steps reuse (default: the one kept with
+            `cache`, which a forward with images and a cache stores there); ignored when images are given.
         route_override: `{"fusion": w_u, "injection": w_v}`, each `(batch, num_streams)` or None: route
             interventions (spec §9.6, Table 5b), applied where the route is computed (with the images); the
             injection route travels in `routing_context` to the decode steps. The outputs keep the sample's own
@@ -442,27 +472,37 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
         """
         if output_router_logits is None:
             output_router_logits = self.config.text_config.output_router_logits
-        inputs_embeds = self.get_input_embeddings()(input_ids)
-        visual_token_mask = input_ids == self.config.image_token_id
-        vision_router_logits, projected = None, None
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        visual_token_mask = self.token_mask([self.config.image_token_id], input_ids, inputs_embeds)
+        image_outputs, projected = None, None
         if pixel_values is not None and visual_streams is not None:
             raise ValueError("give pixel_values or visual_streams, not both")
         if pixel_values is not None:
-            visual_streams, vision_router_logits = self.get_image_features(pixel_values, output_router_logits)
+            image_outputs = self.get_image_features(
+                pixel_values, output_router_logits=output_router_logits,
+                output_attentions=kwargs.get("output_attentions", False),
+                output_hidden_states=kwargs.get("output_hidden_states", False),
+            )
+            visual_streams = self.visual_streams(image_outputs)
         if visual_streams is not None:
-            visual_token_mask = self.get_placeholder_mask(input_ids, visual_streams.shape[0])
+            visual_token_mask = self.get_placeholder_mask(input_ids, inputs_embeds, visual_streams.shape[0])
             if prompt_mask is None:
-                prompt_mask = self.default_prompt_mask(input_ids, attention_mask)
-            if prompt_mask.shape != input_ids.shape:
+                prompt_mask = self.default_prompt_mask(input_ids, attention_mask, inputs_embeds)
+            if prompt_mask.shape != visual_token_mask.shape:
                 raise ValueError(
-                    f"prompt_mask has shape {tuple(prompt_mask.shape)}, input_ids {tuple(input_ids.shape)}: one entry "
-                    "per token"
+                    f"prompt_mask has shape {tuple(prompt_mask.shape)}, the input {tuple(visual_token_mask.shape)}: "
+                    "one entry per token"
                 )
             projected = self.projector(visual_streams, inputs_embeds, prompt_mask, route_override)
             routing_context = projected.routing_context
             inputs_embeds = inputs_embeds.masked_scatter(
                 visual_token_mask[..., None], projected.fused_tokens.to(inputs_embeds.dtype)
             )
+        elif routing_context is None and cache is not None and cache.get_seq_length() > 0:
+            routing_context = getattr(cache, ROUTING_CONTEXT_OF_CACHE, None)
         injection = None
         if routing_context is not None and self.config.injection_type != "none":
             injection = RoutedInjection(
@@ -479,6 +519,8 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
             output_router_logits=output_router_logits,
             **kwargs,
         )
+        if routing_context is not None and outputs.cache is not None:
+            setattr(outputs.cache, ROUTING_CONTEXT_OF_CACHE, routing_context)
         routing = {} if projected is None else {
             "image_hidden_states": projected.fused_tokens,
             "depth_route": projected.depth_route,
@@ -495,7 +537,7 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
-            vision_router_logits=vision_router_logits,
+            image_outputs=image_outputs,
             routing_context=routing_context,
             **routing,
         )
@@ -525,7 +567,7 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
@@ -534,6 +576,7 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
         visual_streams: torch.Tensor | None = None,
         routing_context: OmniMoeVlRoutingContext | None = None,
         route_override: dict[str, torch.Tensor | None] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
@@ -547,7 +590,7 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
         if output_router_logits is None:
             output_router_logits = text_config.output_router_logits
         if labels is not None and prompt_mask is None and (pixel_values is not None or visual_streams is not None):
-            prompt_mask = self.model.default_prompt_mask(input_ids, attention_mask) & (labels == -100)
+            prompt_mask = self.model.default_prompt_mask(input_ids, attention_mask, inputs_embeds) & (labels == -100)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -558,6 +601,7 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
             visual_streams=visual_streams,
             routing_context=routing_context,
             route_override=route_override,
+            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
             **kwargs,
@@ -585,7 +629,7 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
         terms = []
         for config, logits in (
             (self.config.text_config, outputs.router_logits),
-            (self.config.vision_config, outputs.vision_router_logits),
+            (self.config.vision_config, outputs.image_outputs.router_logits if outputs.image_outputs else None),
         ):
             if logits:
                 balance = load_balancing_loss(logits, config.num_experts, config.num_experts_per_tok)
@@ -595,36 +639,27 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
     def generate(self, inputs=None, **kwargs):
         """`GenerationMixin.generate`, with the default prompt mask taken from the prompt itself: steps that recompute
         the route from the whole sequence (without a KV cache) must not count the generated tokens as prompt."""
-        input_ids = kwargs.get("input_ids", inputs)
+        input_ids, inputs_embeds = kwargs.get("input_ids", inputs), kwargs.get("inputs_embeds")
         has_image = kwargs.get("pixel_values") is not None or kwargs.get("visual_streams") is not None
-        if kwargs.get("prompt_mask") is None and input_ids is not None and has_image:
-            kwargs["prompt_mask"] = self.model.default_prompt_mask(input_ids, kwargs.get("attention_mask"))
+        if kwargs.get("prompt_mask") is None and has_image and (input_ids is not None or inputs_embeds is not None):
+            kwargs["prompt_mask"] = self.model.default_prompt_mask(
+                None if inputs_embeds is not None else input_ids, kwargs.get("attention_mask"), inputs_embeds
+            )
         return super().generate(inputs, **kwargs)
 
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
-        model_kwargs = super()._update_model_kwargs_for_generation(
-            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
-        )
-        if outputs.routing_context is not None:  # the prefill's context serves every later step (paper A.2)
-            model_kwargs["routing_context"] = outputs.routing_context
-        return model_kwargs
-
     def prepare_inputs_for_generation(
-        self, input_ids, cache=None, pixel_values=None, visual_streams=None, prompt_mask=None, routing_context=None,
-        is_first_iteration=False, **kwargs,
+        self, input_ids, cache=None, visual_streams=None, prompt_mask=None, is_first_iteration=False, **kwargs
     ):
         """A step that feeds the whole sequence (the prefill, or any step without a KV cache) recomputes the route
         from the image, with `prompt_mask` padded with zeros over the generated tokens (so the route is the prefill's);
-        a decode step with a cache reuses the prefill's `routing_context` instead."""
+        a decode step with a cache continues with the context kept in the cache (transformers drops `pixel_values`
+        there, and `visual_streams` too)."""
         model_inputs = super().prepare_inputs_for_generation(
             input_ids, cache=cache, is_first_iteration=is_first_iteration, **kwargs
         )
         if is_first_iteration or cache is None:
-            model_inputs["pixel_values"] = pixel_values
             model_inputs["visual_streams"] = visual_streams
             if prompt_mask is not None and prompt_mask.shape[1] < input_ids.shape[1]:
                 prompt_mask = nn.functional.pad(prompt_mask, (0, input_ids.shape[1] - prompt_mask.shape[1]))
             model_inputs["prompt_mask"] = prompt_mask
-        else:
-            model_inputs["routing_context"] = routing_context
         return model_inputs
