@@ -37,17 +37,16 @@ class MoEmbModelTester:
     images are one patch (one image token), and an `<emb>` token in every row (what MoEMB pools), followed by two
     text tokens: the common SDPA test masks the last two tokens of a row as right padding.
 
-    Seven rows, where transformers' tester has three: the SDPA test cuts or extends the batch to seven rows with
-    random token ids, which would leave extra image placeholders without pixels (an error in MoEMB) and rows
-    without `<emb>`."""
+    Seven rows, where transformers' tester has three: the SDPA test cuts or extends every input it passes (pixels and
+    grids too) to seven rows, with random values; only a batch of seven keeps ids, pixels and grids matching, and an
+    `<emb>` in every row."""
 
-    def __init__(self, parent, batch_size=7, seq_length=7, num_image_tokens=8, image_size=16, with_images=True):
+    def __init__(self, parent, batch_size=7, seq_length=7, num_image_tokens=8, image_size=16):
         self.parent = parent
         self.batch_size = batch_size
         self.num_image_tokens = num_image_tokens  # text before the image token (transformers' tester: 32)
         self.seq_length = seq_length + num_image_tokens
         self.image_size = image_size
-        self.with_images = with_images
         self.is_training = True
         self.vocab_size = 99
         self.hidden_size = 32
@@ -117,19 +116,21 @@ class MoEmbModelTester:
                    self.emb_token_id]  # fmt: skip
         input_ids[torch.isin(input_ids, torch.tensor(special, device=input_ids.device))] = self.pad_token_id
         input_ids[:, -3] = self.emb_token_id
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-        if self.with_images:
-            vision = config.vision_config
-            input_ids[:, self.num_image_tokens - 1] = self.vision_start_token_id
-            input_ids[:, self.num_image_tokens] = self.image_token_id
-            input_ids[:, self.num_image_tokens + 1] = self.vision_end_token_id
-            patches_per_image = (self.image_size // vision.patch_size) ** 2
-            inputs["pixel_values"] = floats_tensor(
-                [self.batch_size * patches_per_image, 3 * vision.temporal_patch_size * vision.patch_size**2]
-            )
-            inputs["image_grid_thw"] = torch.tensor([[1, 1, 1]] * self.batch_size, device=torch_device)
-            inputs["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
-        return config, inputs
+        input_ids[:, self.num_image_tokens - 1] = self.vision_start_token_id
+        input_ids[:, self.num_image_tokens] = self.image_token_id
+        input_ids[:, self.num_image_tokens + 1] = self.vision_end_token_id
+        vision = config.vision_config
+        patches_per_image = (self.image_size // vision.patch_size) ** 2
+        pixel_values = floats_tensor(
+            [self.batch_size * patches_per_image, 3 * vision.temporal_patch_size * vision.patch_size**2]
+        )
+        return config, {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "pixel_values": pixel_values,
+            "image_grid_thw": torch.tensor([[1, 1, 1]] * self.batch_size, device=torch_device),
+            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
+        }
 
 
 @AS_BASE_MODELS
@@ -148,7 +149,41 @@ class MoEmbModelTest(ModelTesterMixin, unittest.TestCase):
         self.config_tester.run_common_tests()
 
     def test_attention_outputs(self):
-        check_attention_outputs(self)
+        """transformers' override for the Qwen3.5-MoE VLM: only the gated-attention layers (not the Gated DeltaNet
+        ones) return attention weights, asked for by argument or by the text config, and they come last."""
+        config, inputs_dict = self.model_tester.prepare_config_and_inputs_for_common()
+        text_config = config.text_config
+        num_attention_layers = text_config.layer_types.count("full_attention")
+        seq_len = self.model_tester.seq_length
+        for model_class in self.all_model_classes:
+            inputs_dict["output_attentions"] = True
+            inputs_dict["output_hidden_states"] = False
+            model = model_class._from_config(config, attn_implementation="eager").to(torch_device).eval()
+            config = model.config
+            with torch.no_grad():
+                outputs = model(**self._prepare_for_class(inputs_dict, model_class))
+            self.assertEqual(len(outputs.attentions), num_attention_layers)
+
+            del inputs_dict["output_attentions"]
+            config.text_config.output_attentions = True
+            model = model_class(config).to(torch_device).eval()
+            with torch.no_grad():
+                outputs = model(**self._prepare_for_class(inputs_dict, model_class))
+            attentions = outputs.attentions
+            self.assertEqual(len(attentions), num_attention_layers)
+            self.assertListEqual(list(attentions[0].shape[-3:]), [text_config.num_attention_heads, seq_len, seq_len])
+            out_len = len(outputs)
+
+            inputs_dict["output_attentions"] = True
+            inputs_dict["output_hidden_states"] = True
+            model = model_class(config).to(torch_device).eval()
+            with torch.no_grad():
+                outputs = model(**self._prepare_for_class(inputs_dict, model_class))
+            self.assertEqual(out_len + 1, len(outputs))
+            self.assertEqual(len(outputs.attentions), num_attention_layers)
+            self.assertListEqual(
+                list(outputs.attentions[0].shape[-3:]), [text_config.num_attention_heads, seq_len, seq_len]
+            )
 
     @unittest.skip(reason=QWEN3_5_MOE_NO_REVERSE_MAPPING)
     def test_reverse_loading_mapping(self):
@@ -167,44 +202,6 @@ class MoEmbModelTest(ModelTesterMixin, unittest.TestCase):
 
     def test_training_gradient_checkpointing_use_reentrant_true(self):
         check_embedder_training(self, checkpointing={"use_reentrant": True})
-
-
-def check_attention_outputs(test: ModelTesterMixin):
-    """transformers' override of `test_attention_outputs` for the Qwen3.5-MoE VLM: only the gated-attention layers
-    (not the Gated DeltaNet ones) return attention weights, asked for by argument or by config, and they come last."""
-    config, inputs_dict = test.model_tester.prepare_config_and_inputs_for_common()
-    text_config = config.text_config
-    num_attention_layers = text_config.layer_types.count("full_attention")
-    seq_len = test.model_tester.seq_length
-    for model_class in test.all_model_classes:
-        inputs_dict["output_attentions"] = True
-        inputs_dict["output_hidden_states"] = False
-        model = model_class._from_config(config, attn_implementation="eager").to(torch_device).eval()
-        config = model.config
-        with torch.no_grad():
-            outputs = model(**test._prepare_for_class(inputs_dict, model_class))
-        test.assertEqual(len(outputs.attentions), num_attention_layers)
-
-        del inputs_dict["output_attentions"]
-        config.text_config.output_attentions = True  # the text model's flag, as in Qwen3.5-MoE
-        model = model_class(config).to(torch_device).eval()
-        with torch.no_grad():
-            outputs = model(**test._prepare_for_class(inputs_dict, model_class))
-        attentions = outputs.attentions
-        test.assertEqual(len(attentions), num_attention_layers)
-        test.assertListEqual(list(attentions[0].shape[-3:]), [text_config.num_attention_heads, seq_len, seq_len])
-        out_len = len(outputs)
-
-        inputs_dict["output_attentions"] = True
-        inputs_dict["output_hidden_states"] = True
-        model = model_class(config).to(torch_device).eval()
-        with torch.no_grad():
-            outputs = model(**test._prepare_for_class(inputs_dict, model_class))
-        test.assertEqual(out_len + 1, len(outputs))
-        test.assertEqual(len(outputs.attentions), num_attention_layers)
-        test.assertListEqual(
-            list(outputs.attentions[0].shape[-3:]), [text_config.num_attention_heads, seq_len, seq_len]
-        )
 
 
 def check_embedder_training(test: ModelTesterMixin, checkpointing: dict | None = None):
