@@ -6,11 +6,10 @@ The tester is a 32-wide, two-layer Qwen3-MoE decoder (MoE on layer 0, 4 experts 
 (MoE on block 0, 4 experts top-1) on 16x16 images of 8-pixel patches: 4 image tokens per row, two streams (taps after
 blocks 1 and 2) anchored before both decoder layers, top-1 of 2 depths. The injection gate is non-zero,
 so every test runs the routed injection as well as the fusion. Each row carries the `prompt_mask` a processor gives
-(the question after the image), which the common tests extend with zeros where they append or prepend tokens. Skips are only those of LLaVA's own test file (quoted)
-or tests that need a GPU or the network.
+(the question after the image), which the common tests extend with zeros where they append or prepend tokens. Skips are
+only those of the common tests themselves (GPU, Flash Attention, slow, not applicable); none is added here.
 """
 
-import copy
 import unittest
 
 import torch
@@ -86,28 +85,3 @@ class OmniMoeVlModelTest(ListedInTransformersMappings, ModelTesterMixin, Generat
 
     def test_config(self):
         self.config_tester.run_common_tests()
-
-    # As LlavaForConditionalGenerationModelTest: images are replaced in the placeholders' embeddings, so
-    # `inputs_embeds` run without pixel_values.
-    def test_inputs_embeds(self):
-        config, inputs_dict = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            model = model_class(config).eval()
-            inputs = copy.deepcopy(self._prepare_for_class(inputs_dict, model_class))
-            input_ids = inputs.pop("input_ids")
-            del inputs["pixel_values"]
-            inputs["inputs_embeds"] = model.get_input_embeddings()(input_ids)
-            with torch.no_grad():
-                model(**inputs)
-
-    def test_inputs_embeds_matches_input_ids(self):
-        config, inputs_dict = self.model_tester.prepare_config_and_inputs_for_common()
-        for model_class in self.all_model_classes:
-            model = model_class(config).eval()
-            inputs = self._prepare_for_class(inputs_dict, model_class)
-            input_ids = inputs.pop("input_ids")
-            inputs_embeds = model.get_input_embeddings()(input_ids)
-            with torch.no_grad():
-                out_ids = model(input_ids=input_ids, **inputs)[0]
-                out_embeds = model(inputs_embeds=inputs_embeds, **inputs)[0]
-            torch.testing.assert_close(out_embeds, out_ids)

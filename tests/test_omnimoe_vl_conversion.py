@@ -2,6 +2,7 @@
 `Qwen3ForCausalLM`, `SiglipVisionModel` and `Siglip2VisionModel` (tiny, random weights, random norms, fixed seeds),
 and the errors bad sources raise before anything is written."""
 
+import argparse
 import json
 
 import pytest
@@ -21,7 +22,7 @@ from transformers import (
 )
 
 from moezoo.configuration.omnimoe_vl import TINY_OMNIMOE_VL, OmniMoeVlConfig
-from moezoo.conversion.omnimoe_vl_upcycle import convert, convert_omnimoe_vl_checkpoints, naflex_patches
+from moezoo.conversion.omnimoe_vl_upcycle import add_arguments, convert, convert_omnimoe_vl_checkpoints, naflex_patches
 from moezoo.modeling.moe.accounting import count_parameters
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 
@@ -319,3 +320,20 @@ def test_unexpected_tensor_is_named(sources, tmp_path):
         convert_omnimoe_vl_checkpoints(sources / "qwen3", broken, tmp_path / "out", vision_feature_layers=TAPS,
                                        projector=PROJECTOR, **TOKENS)
     assert not (tmp_path / "out").exists()
+
+
+def test_command_line_options_reach_the_converter(sources):
+    """`moezoo convert --to omnimoe_vl --from QWEN3 --vision SIGLIP ...`: the converter's own options, as the command
+    parses them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    tokens = [f"--{name.replace('_', '-')}={value}" for name, value in TOKENS.items()]
+    projector = [f"--projector={name}={json.dumps(value)}" for name, value in PROJECTOR.items()]
+    options = vars(parser.parse_args(
+        [f"--vision={sources / 'siglip'}", "--vision-feature-layers=1,3,5", "--no-verify", *tokens, *projector]
+    ))
+    result = convert(sources / "qwen3", **options)
+    assert result.provenance["max_abs_diff"] is None  # --no-verify
+    config = result.model.config
+    assert config.vision_feature_layers == TAPS and config.image_token_id == TOKENS["image_token_id"]
+    assert all(getattr(config, name) == value for name, value in PROJECTOR.items())

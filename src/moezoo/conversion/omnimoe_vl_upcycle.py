@@ -23,6 +23,8 @@ device from the shard headers before any data is read (`moezoo.conversion.stream
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import re
 import shutil
@@ -455,6 +457,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vision-feature-layers", type=_int_list, default=None,
                         help="stream taps, comma-separated hidden-state indices (default 1,5,...,37)")
     parser.add_argument("--num-experts", type=int, default=8, help="experts per MoE block of both stacks")
+    for name, token in (("image", "<|image_pad|>"), ("vision-start", "<|vision_start|>"),
+                        ("vision-end", "<|vision_end|>")):
+        parser.add_argument(f"--{name}-token-id", type=int, default=None,
+                            help=f"default: {token} of the Qwen3 tokenizer")
+    parser.add_argument("--projector", type=_projector_option, action="append", default=None, metavar="FIELD=VALUE",
+                        help="an OmniMoeVlConfig field of the projector, e.g. depth_top_k=2 (JSON values; repeatable)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the Qwen3 source's")
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--seed", type=int, default=0, help="seeds the new routers and the projector")
@@ -466,10 +474,22 @@ def _int_list(text: str) -> list[int]:
     return [int(item) for item in text.split(",") if item.strip()]
 
 
+def _projector_option(text: str) -> tuple[str, object]:
+    field, separator, value = text.partition("=")
+    if not separator or not field:
+        raise argparse.ArgumentTypeError(f"--projector takes FIELD=VALUE, e.g. depth_top_k=2, got {text!r}")
+    try:
+        return field.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return field.strip(), value  # a bare string, e.g. injection_type=none
+
+
 def convert(source: Path, vision: str | Path, verify: bool = True, **options) -> ConversionResult:
     """The converter behind the command: stream into a temporary folder, load the result in fp32, and measure it
     against the sources."""
     vision_source = local_source(vision)
+    if isinstance(options.get("projector"), list):  # the command's repeated --projector FIELD=VALUE
+        options["projector"] = dict(options["projector"])
     with tempfile.TemporaryDirectory(prefix="omnimoe-vl-conversion-") as folder:
         report = convert_omnimoe_vl_checkpoints(source, vision_source, folder, **options)
         model = OmniMoeVlForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
