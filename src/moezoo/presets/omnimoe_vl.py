@@ -16,7 +16,10 @@ ARCHITECTURES = [
             "AutoModelForImageTextToText": f"{MODELING}:OmniMoeVlForConditionalGeneration",
             "AutoModel": f"{MODELING}:OmniMoeVlModel",
         },
+        processor="moezoo.processors.omnimoe_vl:OmniMoeVlProcessor",
+        make_processor="moezoo.processors.build_omnimoe_vl:make_omnimoe_vl_processor",
         pipeline_tag="image-text-to-text",
+        model_card="omnimoe_vl.md",
         tags=("vision-language", "image-text-to-text", "depth-routing", "qwen3", "siglip"),
         sub_configs={
             "omnimoe_vl_vision": f"{CONFIGURATION}:OmniMoeVlVisionConfig",
