@@ -120,7 +120,9 @@ class OmniMoeVlProcessor(ChecksInputs):
         return {
             "im_start": tokenizer.convert_tokens_to_ids(IM_START),
             "im_end": tokenizer.convert_tokens_to_ids(IM_END),
-            "vision_start": tokenizer.convert_tokens_to_ids(VISION_START),
+            # What marks the image's turn: the template's <|vision_start|>, or the bare placeholder of a hand-written
+            # prompt (which `validate_inputs` accepts inside a user turn).
+            "image": {tokenizer.convert_tokens_to_ids(VISION_START), self.image_token_id},
             "special": set(tokenizer.all_special_ids) | {self.image_token_id},
         }
 
@@ -141,11 +143,11 @@ class OmniMoeVlProcessor(ChecksInputs):
         return not self.tokenizer.decode([token]).strip()
 
     def _prompt_mask(self, row: list[int], special: dict) -> list[int]:
-        """1 on the question of the first user turn that holds `<|vision_start|>`: its tokens but the special,
-        image and whitespace-only ones (spec §6, the token-based rule)."""
+        """1 on the question of the first user turn that holds the image: its tokens but the special, image and
+        whitespace-only ones (spec §6, the token-based rule)."""
         mask = [0] * len(row)
         for role, content, end in self._turns(row, special):
-            if role == "user" and special["vision_start"] in row[content:end]:
+            if role == "user" and not special["image"].isdisjoint(row[content:end]):
                 for i in range(content, end):
                     if row[i] not in special["special"] and not self._is_blank(row[i]):
                         mask[i] = 1
