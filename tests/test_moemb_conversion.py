@@ -235,7 +235,7 @@ def test_missing_experts_are_named(moe_source, fused_source, tmp_path):
         convert_qwen3_5_checkpoint(source, tmp_path / "out", emb_token_id=EMB)
     source = copy_source(fused_source, tmp_path / "fused",
                          lambda tensors: {k: v for k, v in tensors.items() if "layers.2.mlp.experts.down" not in k})
-    with pytest.raises(ValueError, match=r"lacks: model\.language_model\.layers\.2\.mlp\.experts\.down_proj"):
+    with pytest.raises(ValueError, match=r"do not give: model\.language_model\.layers\.2\.mlp\.experts\.down_proj"):
         convert_qwen3_5_checkpoint(source, tmp_path / "out", emb_token_id=EMB)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 

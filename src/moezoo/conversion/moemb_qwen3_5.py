@@ -26,26 +26,23 @@ A converted folder holds `config.json`, the weights, and (when the source has a 
 is what `MoEmbProcessor` is built from.
 """
 
-import json
 import math
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3_5Model, Qwen3_5MoeModel
 from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moemb import TOKEN_MODALITIES, UPCYCLE_ROUTER_INITS, MoEmbConfig
-from ..hub.sources import open_safetensors
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult, option_name
+from .streaming import Build, ShardWriter, SourceCheckpoint, TensorGroup, check_plan, stream_groups
 
 
 VARIANTS = ("native", "upcycled", "modality")
@@ -67,17 +64,6 @@ _PER_EXPERT = re.compile(
     r"(model\.language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
 )
 _DENSE_MLP = re.compile(r"(model\.language_model\.layers\.(\d+)\.mlp)\.(gate_proj|up_proj|down_proj)\.weight")
-
-Build = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Target tensors computed from a set of source tensors; written as soon as all of them were read."""
-
-    sources: tuple[str, ...]
-    build: Build
-
 
 def convert_qwen3_5_checkpoint(
     source: str | Path,
@@ -127,7 +113,7 @@ def convert_qwen3_5_checkpoint(
     source, output = Path(source), Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} is not empty: convert into a new or empty folder")
-    checkpoint = _SourceCheckpoint(source)
+    checkpoint = SourceCheckpoint(source, "the source")
     _check_source_type(checkpoint.model_type, variant)
 
     tokenizer, emb_token_id, real_vocab_size = _prepare_tokenizer(source, emb_token, emb_token_id)
@@ -144,11 +130,13 @@ def convert_qwen3_5_checkpoint(
     config = _moemb_config(checkpoint.config, variant, emb_token, emb_token_id, vocab_size, upcycling, expert_map)
 
     groups, dropped = _plan(checkpoint, config, variant, upcycling, expert_map, real_vocab_size, seed)
-    _check_plan(checkpoint, config, groups)
+    with torch.device("meta"):
+        expected = {key: tuple(value.shape) for key, value in MoEmbForEmbedding(config).state_dict().items()}
+    check_plan([checkpoint], groups, [key for keys in dropped.values() for key in keys], expected, "MoEMB")
 
     output.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(output, convert_file_size_to_int(max_shard_size), DTYPES.get(dtype))
-    for key, tensor in _stream_groups(checkpoint, groups):
+    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), DTYPES.get(dtype))
+    for key, tensor in stream_groups([checkpoint], groups):
         writer.add(key, tensor)
     writer.finish()
     config.architectures = [MoEmbForEmbedding.__name__]
@@ -162,8 +150,8 @@ def convert_qwen3_5_checkpoint(
                 shutil.copy2(source / name, output / name)
                 copied_processor_files.append(name)
 
-    per_expert = sum(1 for key in checkpoint.keys if _PER_EXPERT.fullmatch(key))
-    dense_mlp = sum(1 for key in checkpoint.keys if _DENSE_MLP.fullmatch(key)) if variant != "native" else 0
+    per_expert = sum(1 for key in checkpoint.shapes if _PER_EXPERT.fullmatch(key))
+    dense_mlp = sum(1 for key in checkpoint.shapes if _DENSE_MLP.fullmatch(key)) if variant != "native" else 0
     return {
         "source": str(source),
         "source_model_type": checkpoint.model_type,
@@ -177,8 +165,8 @@ def convert_qwen3_5_checkpoint(
         "upcycling": None if upcycling is None else upcycling.report(seed),
         "modality_expert_map": expert_map,
         "key_accounting": {
-            "source_tensors": len(checkpoint.keys),
-            "copied": len(checkpoint.keys) - sum(len(keys) for keys in dropped.values()) - per_expert - dense_mlp,
+            "source_tensors": len(checkpoint.shapes),
+            "copied": len(checkpoint.shapes) - sum(len(keys) for keys in dropped.values()) - per_expert - dense_mlp,
             "fused_from_per_expert": per_expert,
             "expanded_from_dense_ffn": dense_mlp,
             "dropped": {name: {"tensors": len(keys), "reason": _DROPPED[name][1]} for name, keys in dropped.items()},
@@ -189,34 +177,6 @@ def convert_qwen3_5_checkpoint(
 
 
 # --- the source -----------------------------------------------------------------------------------------------------
-
-
-class _SourceCheckpoint:
-    """A folder's config and safetensors headers: which tensors exist and their shapes (no data is read)."""
-
-    def __init__(self, folder: Path):
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{folder} has no config.json: not a transformers checkpoint folder")
-        self.config = json.loads(config_file.read_text())
-        self.model_type = self.config.get("model_type")
-        index_file = folder / "model.safetensors.index.json"
-        if index_file.is_file():
-            files = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
-        else:
-            files = sorted(path.name for path in folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(
-                f"{folder} has no safetensors weights (model.safetensors or an index): convert .bin checkpoints to "
-                "safetensors first"
-            )
-        self.files = [folder / name for name in files]
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for path in self.files:
-            with open_safetensors(path) as shard:
-                for key in shard.keys():
-                    self.shapes[key] = tuple(shard.get_slice(key).get_shape())
-        self.keys = list(self.shapes)
 
 
 def _check_source_type(model_type: str | None, variant: str) -> None:
@@ -376,21 +336,21 @@ def _plan(checkpoint, config, variant, upcycling, expert_map, real_vocab_size, s
     groups, dropped = [], {name: [] for name in _DROPPED}
     per_expert: dict[str, list[str]] = {}
     dense_mlps: dict[str, list[str]] = {}
-    for key in checkpoint.keys:
+    for key in checkpoint.shapes:
         drop = next((name for name, (pattern, _) in _DROPPED.items() if pattern.fullmatch(key)), None)
         if drop is not None:
             dropped[drop].append(key)
         elif key == EMBED_TOKENS:
-            groups.append(_Group((key,), _embedding_with_emb_row(config, real_vocab_size)))
+            groups.append(TensorGroup((key,), _embedding_with_emb_row(config, real_vocab_size)))
         elif (match := _PER_EXPERT.fullmatch(key)) and variant == "native":
             per_expert.setdefault(match[1], []).append(key)
         elif (match := _DENSE_MLP.fullmatch(key)) and variant != "native":
             dense_mlps.setdefault(match[1], []).append(key)
         else:
-            groups.append(_Group((key,), lambda tensors: tensors))
+            groups.append(TensorGroup((key,), lambda tensors, device: tensors))
     num_experts = config.text_config.num_experts
     for prefix, keys in per_expert.items():
-        groups.append(_Group(_complete_experts(prefix, keys, num_experts), _fuse_experts(prefix, num_experts)))
+        groups.append(TensorGroup(_complete_experts(prefix, keys, num_experts), _fuse_experts(prefix, num_experts)))
     hidden_size = config.text_config.hidden_size
     for prefix, keys in dense_mlps.items():
         sources = tuple(f"{prefix}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj"))
@@ -399,9 +359,9 @@ def _plan(checkpoint, config, variant, upcycling, expert_map, real_vocab_size, s
         if upcycling is not None:
             layer = int(_DENSE_MLP.fullmatch(keys[0])[2])
             generator = torch.Generator().manual_seed(seed + layer)
-            groups.append(_Group(sources, _upcycled_ffn(prefix, upcycling, hidden_size, generator)))
+            groups.append(TensorGroup(sources, _upcycled_ffn(prefix, upcycling, hidden_size, generator)))
         else:
-            groups.append(_Group(sources, _modality_ffn(prefix, expert_map)))
+            groups.append(TensorGroup(sources, _modality_ffn(prefix, expert_map)))
     return groups, {name: keys for name, keys in dropped.items() if keys}
 
 
@@ -427,7 +387,7 @@ def _complete_experts(prefix: str, keys: list[str], num_experts: int) -> tuple[s
 def _embedding_with_emb_row(config: MoEmbConfig, real_vocab_size: int) -> Build:
     emb_id, vocab_size = config.emb_token_id, config.text_config.vocab_size
 
-    def build(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
         weight = tensors[EMBED_TOKENS]
         num_real = min(real_vocab_size, weight.shape[0])
         # fp32 sums without an fp32 copy of the (large) matrix; the <emb> row itself does not count
@@ -446,7 +406,7 @@ def _fuse_experts(prefix: str, num_experts: int) -> Build:
     """Per-expert Linear weights -> `gate_up_proj (E, 2I, H)` (gate rows first) and `down_proj (E, H, I)`, as
     transformers' own checkpoint conversion for Qwen MoE models does."""
 
-    def build(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
         def weights(name):
             return [tensors[f"{prefix}.{expert}.{name}.weight"] for expert in range(num_experts)]
 
@@ -462,7 +422,7 @@ def _fuse_experts(prefix: str, num_experts: int) -> Build:
 def _upcycled_ffn(prefix: str, plan: _UpcyclingPlan, hidden_size: int, generator: torch.Generator) -> Build:
     weight, bias = plan.router(hidden_size, generator)
 
-    def build(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
         gate, up, down = (tensors[f"{prefix}.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
         slices = [plan.slice_of(expert) for expert in range(plan.num_experts)]
         return {
@@ -478,7 +438,7 @@ def _upcycled_ffn(prefix: str, plan: _UpcyclingPlan, hidden_size: int, generator
 def _modality_ffn(prefix: str, expert_map: dict[int, int]) -> Build:
     num_experts = len(set(expert_map.values()))
 
-    def build(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
         gate, up, down = (tensors[f"{prefix}.{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
         return {
             f"{prefix}.experts.gate_up_proj": torch.cat([gate, up])[None].repeat(num_experts, 1, 1),
@@ -486,104 +446,6 @@ def _modality_ffn(prefix: str, expert_map: dict[int, int]) -> Build:
         }
 
     return build
-
-
-def _check_plan(checkpoint: _SourceCheckpoint, config: MoEmbConfig, groups: list[_Group]) -> None:
-    """Run every group on `meta` tensors of the source shapes and compare with a `meta` MoEMB model: every target
-    tensor produced once, with its shape, before any data is read."""
-    with torch.device("meta"):
-        expected = {key: tuple(value.shape) for key, value in MoEmbForEmbedding(config).state_dict().items()}
-    produced: dict[str, tuple[int, ...]] = {}
-    unexpected = []
-    for group in groups:
-        inputs = {key: torch.empty(checkpoint.shapes[key], device="meta") for key in group.sources}
-        for key, tensor in group.build(inputs).items():
-            if key not in expected:
-                unexpected.append(key)
-            produced[key] = tuple(tensor.shape)
-    missing = sorted(set(expected) - set(produced))
-    mismatched = [f"{key}: source gives {produced[key]}, MoEMB has {shape}"
-                  for key, shape in expected.items() if key in produced and produced[key] != shape]
-    if unexpected or missing or mismatched:
-        problems = []
-        if unexpected:
-            problems.append(f"source tensors MoEMB has no place for: {_listing(sorted(unexpected))}")
-        if missing:
-            problems.append(f"MoEMB tensors the source lacks: {_listing(missing)}")
-        if mismatched:
-            problems.append(f"shape mismatches (the config.json disagrees with the weights): {_listing(mismatched)}")
-        raise ValueError(
-            f"{checkpoint.files[0].parent} does not convert into MoEMB ({checkpoint.model_type}): "
-            + "; ".join(problems)
-        )
-
-
-def _stream_groups(checkpoint: _SourceCheckpoint, groups: list[_Group]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read the source shard by shard; yield each group's targets once all its sources were read."""
-    group_of = {key: group for group in groups for key in group.sources}
-    pending: dict[int, dict[str, torch.Tensor]] = {}
-    for path in checkpoint.files:
-        with open_safetensors(path) as shard:
-            for key in shard.keys():
-                group = group_of.get(key)
-                if group is None:  # dropped
-                    continue
-                tensors = pending.setdefault(id(group), {})
-                tensors[key] = shard.get_tensor(key)
-                if len(tensors) == len(group.sources):
-                    del pending[id(group)]
-                    yield from group.build(tensors).items()
-
-
-class _ShardWriter:
-    """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` shards of at most `max_shard_size` bytes (a single
-    `model.safetensors` when everything fits), plus the index."""
-
-    def __init__(self, folder: Path, max_shard_size: int, dtype: torch.dtype | None):
-        self.folder, self.max_shard_size, self.dtype = folder, max_shard_size, dtype
-        self.shards: list[list[str]] = []
-        self.current: dict[str, torch.Tensor] = {}
-        self.current_size = 0
-        self.total_size = 0
-        self.num_tensors = 0
-        self.dtype_written: torch.dtype | None = None
-
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        if self.dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-        if tensor.is_floating_point() and self.dtype_written is None:
-            self.dtype_written = tensor.dtype
-        size = tensor.numel() * tensor.element_size()
-        if self.current and self.current_size + size > self.max_shard_size:
-            self._flush()
-        self.current[key] = tensor.contiguous()
-        self.current_size += size
-        self.total_size += size
-        self.num_tensors += 1
-
-    def _flush(self) -> None:
-        save_file(self.current, self.folder / f"shard-{len(self.shards)}.tmp", metadata={"format": "pt"})
-        self.shards.append(list(self.current))
-        self.current, self.current_size = {}, 0
-
-    def finish(self) -> None:
-        if self.current:
-            self._flush()
-        if len(self.shards) == 1:
-            (self.folder / "shard-0.tmp").rename(self.folder / "model.safetensors")
-            return
-        weight_map = {}
-        for index, keys in enumerate(self.shards):
-            name = f"model-{index + 1:05d}-of-{len(self.shards):05d}.safetensors"
-            (self.folder / f"shard-{index}.tmp").rename(self.folder / name)
-            weight_map |= {key: name for key in keys}
-        index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _listing(items: list[str], limit: int = 6) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 # --- fidelity against the source model ------------------------------------------------------------------------------
