@@ -1,6 +1,6 @@
 """OmniMoE-VL's processor (spec omnimoe_vl.md §6): the ChatML template, the placeholder expansion, `prompt_mask`,
 `labels`, left padding, the bad-input errors, a save/load round trip, and the processor feeding the tiny model
-(forward with a loss, batched `generate`, the image-text-to-text pipeline)."""
+(forward with a loss, batched `generate`, the image-text-to-text pipeline), and the converter's processor."""
 
 import copy
 
@@ -9,12 +9,23 @@ import pytest
 import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoProcessor, PreTrainedTokenizerFast, pipeline
+from transformers import (
+    AutoProcessor,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    pipeline,
+)
+from transformers.image_utils import PILImageResampling
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 import moezoo  # noqa: F401  (registers the Auto classes)
 from moezoo.configuration.omnimoe_vl import TINY_OMNIMOE_VL, OmniMoeVlConfig
+from moezoo.conversion.omnimoe_vl_upcycle import convert
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
-from moezoo.processors.build_omnimoe_vl import make_omnimoe_vl_processor
+from moezoo.processors.build_omnimoe_vl import make_omnimoe_vl_processor, tiny_tokenizer_for
 from moezoo.processors.omnimoe_vl import IGNORE_INDEX, OmniMoeVlProcessor
 
 QUESTION = "what color is the car?"
@@ -195,3 +206,34 @@ def test_image_text_to_text_pipeline(processor, model, tmp_path):
     messages = [{"role": "user", "content": [{"type": "image", "image": image()}, {"type": "text", "text": QUESTION}]}]
     output = generator(text=messages, max_new_tokens=4, generate_kwargs={"do_sample": False})
     assert output[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_conversion_writes_the_sources_tokenizer_and_preprocessing(config, tmp_path):
+    text, vision = config.text_config, config.vision_config
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, head_dim=text.head_dim, tie_word_embeddings=False,
+    ))  # fmt: skip
+    qwen3.save_pretrained(tmp_path / "qwen3")
+    source_tokenizer = tiny_tokenizer_for(config)
+    source_tokenizer.save_pretrained(tmp_path / "qwen3")
+    SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size, num_attention_heads=4,
+        num_hidden_layers=vision.num_hidden_layers, patch_size=vision.patch_size, image_size=vision.image_size,
+    )).save_pretrained(tmp_path / "siglip")  # fmt: skip
+    SiglipImageProcessorPil(resample=PILImageResampling.BILINEAR).save_pretrained(tmp_path / "siglip")
+
+    tokens = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+    projector = {key: value for key, value in TINY_OMNIMOE_VL.items()
+                 if key not in {"vision_config", "text_config", "vision_feature_layers", "injection_layers", *tokens}}
+    token_ids = {name: getattr(config, name) for name in tokens}
+    result = convert(tmp_path / "qwen3", vision=tmp_path / "siglip", verify=False, projector=projector,
+                     vision_feature_layers=config.vision_feature_layers, **token_ids)  # fmt: skip
+    result.model.save_pretrained(tmp_path / "converted")
+    result.processor.save_pretrained(tmp_path / "converted")
+    processor = AutoProcessor.from_pretrained(tmp_path / "converted")
+    assert processor.tokenizer.get_vocab() == source_tokenizer.get_vocab()
+    assert processor.image_processor.resample == PILImageResampling.BILINEAR
+    assert processor.image_processor.size == {"height": vision.image_size, "width": vision.image_size}
+    assert processor.num_image_tokens == config.num_image_tokens

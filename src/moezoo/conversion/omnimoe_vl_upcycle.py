@@ -37,6 +37,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.omnimoe_vl import OmniMoeVlConfig
 from ..modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
+from ..processors.build_omnimoe_vl import conversion_processor
 from .common import ConversionResult, local_source, option_name
 from .streaming import ShardWriter, SourceCheckpoint, TensorGroup, check_plan, copy_as, stream_groups
 
@@ -493,6 +494,8 @@ def convert(source: Path, vision: str | Path, verify: bool = True, **options) ->
     with tempfile.TemporaryDirectory(prefix="omnimoe-vl-conversion-") as folder:
         report = convert_omnimoe_vl_checkpoints(source, vision_source, folder, **options)
         model = OmniMoeVlForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    # Before the measurement: a tokenizer that does not fit the config fails fast.
+    processor = conversion_processor(model.config, Path(source), Path(vision_source))
     differences = measure_differences(source, vision_source, model) if verify else None
     model.to(getattr(torch, report["dtype"]))
     report |= {
@@ -504,5 +507,5 @@ def convert(source: Path, vision: str | Path, verify: bool = True, **options) ->
             "tower's hidden states, in fp32 with eager experts; the projector is new (no source to compare).",
         ],
     }
-    return ConversionResult(model=model, processor=None, provenance=report)
+    return ConversionResult(model=model, processor=processor, provenance=report)
 

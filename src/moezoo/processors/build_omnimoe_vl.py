@@ -8,12 +8,20 @@ whose special tokens sit at the ids the config names.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
+from ..hub.sources import TOKENIZER_FILES, locate
 from .build_moemb import END_OF_TEXT, LARGEST_TINY_VOCABULARY, build_tiny_qwen_tokenizer
 from .omnimoe_vl import IM_END, IM_START, IMAGE_TOKEN, VISION_END, VISION_START, OmniMoeVlProcessor
 
 QWEN3_TOKENIZER_REPO = "Qwen/Qwen3-8B"
+# What a converted model keeps of its vision source's preprocessing (spec §6: the resample filter comes from the
+# checkpoint); the size is the converted tower's.
+SOURCE_IMAGE_OPTIONS = ("resample", "image_mean", "image_std", "rescale_factor", "do_convert_rgb")
 
 
 def tiny_tokenizer_for(config):
@@ -29,31 +37,40 @@ def tiny_tokenizer_for(config):
     return tokenizer
 
 
-def make_omnimoe_vl_processor(config, tokenizer=None, image_processor=None) -> OmniMoeVlProcessor:
+def make_omnimoe_vl_processor(config, tokenizer=None, **image_options) -> OmniMoeVlProcessor:
     """
-    The processor of an OmniMoE-VL config: `image_processor`, or SigLIP's preprocessing at the vision tower's size
-    (squash, bicubic, mean = std = 0.5); `tokenizer`, or one matching the config's vocabulary (`tiny_tokenizer_for`
-    for tiny vocabularies, Qwen3's from the Hub otherwise); one placeholder per patch.
+    The processor of an OmniMoE-VL config: SigLIP's preprocessing at the vision tower's size (squash, bicubic,
+    mean = std = 0.5; `image_options` override any of these), `tokenizer` or one matching the config's vocabulary
+    (`tiny_tokenizer_for` for tiny vocabularies, Qwen3's from the Hub otherwise), and one placeholder per patch.
     """
     if tokenizer is None:
         if config.text_config.vocab_size <= LARGEST_TINY_VOCABULARY:
             tokenizer = tiny_tokenizer_for(config)
         else:
-            from transformers import AutoTokenizer
-
-            from ..hub.sources import TOKENIZER_FILES, locate
-
             tokenizer = AutoTokenizer.from_pretrained(
                 locate(QWEN3_TOKENIZER_REPO, "Qwen3's tokenizer", allow_patterns=TOKENIZER_FILES)
             )
-    if image_processor is None:
-        size = config.vision_config.image_size
-        image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
     for token, expected in ((IMAGE_TOKEN, config.image_token_id), (VISION_START, config.vision_start_token_id),
-                            (VISION_END, config.vision_end_token_id)):
+                            (VISION_END, config.vision_end_token_id)):  # fmt: skip
         if tokenizer.convert_tokens_to_ids(token) != expected:
             raise ValueError(
                 f"the tokenizer has {token} at id {tokenizer.convert_tokens_to_ids(token)}, the config at {expected}: "
                 "pass the model's own tokenizer"
             )
+    size = config.vision_config.image_size
+    image_processor = SiglipImageProcessorPil(**({"size": {"height": size, "width": size}} | image_options))
     return OmniMoeVlProcessor(image_processor, tokenizer, num_image_tokens=config.num_image_tokens)
+
+
+def conversion_processor(config, text_source: Path, vision_source: Path) -> OmniMoeVlProcessor:
+    """
+    The processor of a converted model: the language source's tokenizer (Qwen3's from the Hub when the folder has
+    none), and the vision source's normalisation and resample filter from its `preprocessor_config.json`, at the
+    converted tower's fixed size (a NaFlex source's own sizing, by patch budget, does not apply to the fixed grid).
+    """
+    has_tokenizer = (text_source / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(text_source) if has_tokenizer else None
+    preprocessing = vision_source / "preprocessor_config.json"
+    source_options = json.loads(preprocessing.read_text()) if preprocessing.is_file() else {}
+    image_options = {key: source_options[key] for key in SOURCE_IMAGE_OPTIONS if key in source_options}
+    return make_omnimoe_vl_processor(config, tokenizer, **image_options)
