@@ -1,6 +1,7 @@
 """OmniMoE-VL's processor (spec omnimoe_vl.md §6): the ChatML template, the placeholder expansion, `prompt_mask`,
 `labels`, left padding, the bad-input errors, a save/load round trip, and the processor feeding the tiny model
-(forward with a loss, batched `generate`, the image-text-to-text pipeline), and the converter's processor."""
+(forward with a loss, batched `generate`, the image-text-to-text pipeline, also on an exported folder without
+moezoo), and the converter's processor."""
 
 import copy
 
@@ -24,9 +25,13 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 import moezoo  # noqa: F401  (registers the Auto classes)
 from moezoo.configuration.omnimoe_vl import TINY_OMNIMOE_VL, OmniMoeVlConfig
 from moezoo.conversion.omnimoe_vl_upcycle import convert
+from moezoo.hub.export import export_folder
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from moezoo.processors.build_omnimoe_vl import make_omnimoe_vl_processor, tiny_tokenizer_for
 from moezoo.processors.omnimoe_vl import IGNORE_INDEX, OmniMoeVlProcessor
+from moezoo.zoo import create_from_preset
+
+from conftest import run_python
 
 QUESTION = "what color is the car?"
 
@@ -237,3 +242,20 @@ def test_conversion_writes_the_sources_tokenizer_and_preprocessing(config, tmp_p
     assert processor.image_processor.resample == PILImageResampling.BILINEAR
     assert processor.image_processor.size == {"height": vision.image_size, "width": vision.image_size}
     assert processor.num_image_tokens == config.num_image_tokens
+
+
+def test_image_text_to_text_pipeline_on_an_exported_folder_without_moezoo(tmp_path):
+    create_from_preset("tiny-omnimoe_vl", tmp_path / "created")
+    export_folder(tmp_path / "created", tmp_path / "exported")
+    run_python(f"""
+        import numpy as np
+        from PIL import Image
+        from transformers import pipeline
+
+        generator = pipeline("image-text-to-text", model={str(tmp_path / "exported")!r}, trust_remote_code=True)
+        image = Image.fromarray(np.zeros((40, 50, 3), dtype=np.uint8))
+        messages = [{{"role": "user", "content": [{{"type": "image", "image": image}},
+                                                 {{"type": "text", "text": "what color is the car?"}}]}}]
+        output = generator(text=messages, max_new_tokens=4, generate_kwargs={{"do_sample": False}})
+        assert output[0]["generated_text"][-1]["role"] == "assistant", output
+    """, without_moezoo=True)
