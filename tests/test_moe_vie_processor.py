@@ -36,7 +36,7 @@ def image_processor():
 
 @pytest.fixture
 def processor(tokenizer):
-    return MoeVieProcessor(MoeVieImageProcessor(size=16, patch_size=PATCH), tokenizer, num_frames=8)
+    return MoeVieProcessor(MoeVieImageProcessor(size=16, patch_size=PATCH, num_frames=8), tokenizer)
 
 
 def random_image(height, width, seed=0, channels=3):
@@ -156,7 +156,7 @@ def test_video_frames_are_sampled_processed_like_images_and_padded(image_process
     # Frame k of the first video is uniformly k * 20, so each output frame tells which input frame it came from.
     long_video = np.stack([np.full((20, 28, 3), 20 * k, np.uint8) for k in range(10)])
     short_video = [random_image(24, 24, seed=k) for k in range(3)]
-    out = MoeVieVideoProcessor(image_processor, num_frames=8)([long_video, short_video], return_tensors="pt")
+    out = MoeVieVideoProcessor(image_processor)([long_video, short_video], num_frames=8, return_tensors="pt")
 
     assert out["pixel_values_videos"].shape == (2, 8, 16, 48)
     assert out["pixel_values_videos"].dtype == torch.float32
@@ -176,11 +176,34 @@ def test_video_frames_are_sampled_processed_like_images_and_padded(image_process
 
 def test_naflex_videos_have_one_patch_grid_per_video_and_the_batch_length_is_the_longest_video(image_processor):
     videos = [np.zeros((2, 20, 28, 3), np.uint8), np.zeros((3, 32, 16, 3), np.uint8)]
-    out = MoeVieVideoProcessor(image_processor, num_frames=8)(videos, resize_mode="naflex", max_num_patches=16)
+    out = MoeVieVideoProcessor(image_processor)(videos, num_frames=8, resize_mode="naflex", max_num_patches=16)
 
     assert out["pixel_values_videos"].shape == (2, 3, 16, 48)
     assert out["video_spatial_shapes"].tolist() == [[3, 5], [5, 3]]
     assert out["video_pixel_attention_mask"].sum(-1).tolist() == [[15, 15, 0], [15, 15, 15]]
+
+
+def test_frame_settings_are_image_processor_defaults_overridden_per_call(tokenizer):
+    video = np.stack([np.full((16, 16, 3), 20 * k, np.uint8) for k in range(7)])
+    processor = MoeVieProcessor(MoeVieImageProcessor(size=16, patch_size=PATCH, num_frames=3), tokenizer)
+
+    assert processor(videos=[video])["pixel_values_videos"].shape == (1, 3, 16, 48)
+    assert processor(videos=[video], num_frames=5)["pixel_values_videos"].shape == (1, 5, 16, 48)
+    every_frame = processor(videos=[video], do_sample_frames=False)["pixel_values_videos"]
+    np.testing.assert_allclose(every_frame[0, :, 0, 0], [(20 * k / 255 - 0.5) / 0.5 for k in range(7)], atol=1e-6)
+
+
+def test_a_folder_saved_with_num_frames_in_the_processor_config_keeps_it(processor, tmp_path):
+    # Before the frame settings moved to the image processor, `num_frames` was saved in processor_config.json.
+    processor.save_pretrained(tmp_path)
+    config_path = tmp_path / "processor_config.json"
+    config = json.loads(config_path.read_text())
+    config["num_frames"] = 3
+    config_path.write_text(json.dumps(config))
+
+    loaded = MoeVieProcessor.from_pretrained(tmp_path)
+    assert loaded.image_processor.num_frames == 3
+    assert loaded(videos=[np.zeros((7, 16, 16, 3), np.uint8)])["pixel_values_videos"].shape == (1, 3, 16, 48)
 
 
 # -------------------------------------------------------------------------------------------------------- tokenizer
@@ -273,7 +296,7 @@ np.savez(sys.argv[3], class_name=type(processor).__name__, **out)
 
 def test_save_pretrained_round_trip_including_remote_code_without_moezoo(tokenizer, tmp_path, monkeypatch):
     processor = MoeVieProcessor(
-        MoeVieImageProcessor(size=12, patch_size=PATCH, resize_mode="center_crop"), tokenizer, num_frames=3
+        MoeVieImageProcessor(size=12, patch_size=PATCH, resize_mode="center_crop", num_frames=3), tokenizer
     )
     # What the Hub exporter does: register the classes so that save_pretrained writes auto_map and copies the code.
     monkeypatch.setattr(MoeVieProcessor, "_auto_class", "AutoProcessor")
@@ -282,7 +305,7 @@ def test_save_pretrained_round_trip_including_remote_code_without_moezoo(tokeniz
     processor.save_pretrained(folder)
 
     config = json.loads((folder / "processor_config.json").read_text())
-    assert config["num_frames"] == 3 and config["auto_map"]["AutoProcessor"] == "moe_vie.MoeVieProcessor"
+    assert config["auto_map"]["AutoProcessor"] == "moe_vie.MoeVieProcessor"
     assert (folder / "moe_vie.py").is_file()
     loaded_image_processor = MoeVieImageProcessor.from_pretrained(folder)
     assert loaded_image_processor.to_dict() == processor.image_processor.to_dict()
@@ -335,6 +358,7 @@ def test_save_pretrained_round_trip_including_remote_code_without_moezoo(tokeniz
         (np.zeros((20, 20, 3), np.uint8), {"resize_mode": "squash"}, "Unknown resize_mode 'squash'"),
         (np.zeros((20, 20, 3), np.uint8), {"size": {"shortest_edge": 16}}, "needs `size` as an int"),
         ([], {}, "`images` is empty"),
+        ([[], []], {}, "`images` holds only empty lists"),
     ],
 )  # fmt: skip
 def test_bad_images_raise_value_errors_that_say_what_to_do(image_processor, image, kwargs, message):
@@ -361,11 +385,22 @@ def test_unknown_resize_mode_is_rejected_at_construction():
         (np.zeros((16, 16, 3), np.uint8), {}, r"pass a one-frame video as \[frame\]"),
         ([[np.zeros((20, 28, 3), np.uint8), np.zeros((32, 16, 3), np.uint8)]], {"resize_mode": "naflex"}, "same size"),
         ([np.zeros((2, 16, 16, 3), np.uint8)], {"num_frames": 0}, "num_frames must be a positive integer"),
+        ([np.zeros((2, 16, 16, 3), np.uint8), [np.zeros((2, 16, 16, 3), np.uint8)]], {}, "mixes videos with lists"),
     ],
 )  # fmt: skip
 def test_bad_videos_raise_value_errors(image_processor, videos, kwargs, message):
     with pytest.raises(ValueError, match=message):
         MoeVieVideoProcessor(image_processor)(videos, **kwargs)
+
+
+def test_lists_per_text_may_leave_a_text_without_images_or_videos(processor):
+    # transformers' nested layout, one list per text: an empty list is a text with no image or video beside it.
+    image, video = np.zeros((16, 16, 3), np.uint8), np.zeros((2, 16, 16, 3), np.uint8)
+    out = processor(
+        text=["a", "b", "c"], images=[[], [image], [image]], videos=[[video], [], [video, video]], return_tensors="np"
+    )
+    assert out["input_ids"].shape[0] == 3
+    assert out["pixel_values"].shape[0] == 2 and out["pixel_values_videos"].shape[0] == 3
 
 
 def test_empty_text_list_raises(processor):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from transformers.image_utils import is_pil_image, is_valid_image
+from transformers.processing_utils import ProcessorMixin
 
 
 # Greyscale, RGB and RGBA: the channel counts `convert_to_rgb` turns into RGB.
@@ -82,17 +83,32 @@ def check_image(image, name: str, paths: bool = False) -> None:
 def check_images(images, name: str = "`images`") -> None:
     """
     Check `images` as transformers' image processors take them: one image, a 4D array of images, or a list (or a list
-    of lists, one per text) of images and 4D arrays; file paths and URLs are opened by the processor.
+    of lists, one per text) of images and 4D arrays; file paths and URLs are opened by the processor. In a list of
+    lists, an empty list is a text without images, as in transformers (a batch mixing texts with and without images),
+    as long as the batch holds an image; an empty list beside images is refused.
     """
     if isinstance(images, (list, tuple)) or (is_array(images) and images.ndim == 4):
         if len(images) == 0:
             raise ValueError(f"{name} is empty: pass at least one image.")
         if isinstance(images, (list, tuple)):
+            per_text = name == "`images`" and all(isinstance(entry, (list, tuple)) for entry in images)
+            if per_text and not any(images):
+                raise ValueError("`images` holds only empty lists: pass at least one image.")
             for index, entry in enumerate(images):
-                check_images(entry, f"image {index}" if name == "`images`" else f"{name}, {index}")
+                if not (per_text and len(entry) == 0):
+                    check_images(entry, f"image {index}" if name == "`images`" else f"{name}, {index}")
             return
         images = images[0]  # a 4D array: its images share one shape and dtype
     check_image(images, name, paths=True)
+
+
+def is_list_of_videos(obj) -> bool:
+    """Whether `obj` is a non-empty list of videos (4D arrays or lists), rather than a video (a list of frames)."""
+    return (
+        isinstance(obj, (list, tuple))
+        and len(obj) > 0
+        and all(isinstance(video, (list, tuple)) or (is_array(video) and video.ndim == 4) for video in obj)
+    )
 
 
 def make_list_of_videos(videos) -> list[list]:
@@ -102,8 +118,9 @@ def make_list_of_videos(videos) -> list[list]:
     A video is a list of frames or a 4D `(num_frames, height, width, channels)` array (numpy or torch); `videos` is one
     video or a list of them (or a 5D array). A flat list of frames is a single video, as in transformers'
     `make_batched_videos`, so a one-frame video is `[frame]` (or `[[frame]]` in a batch); a frame alone is refused, as
-    it is more likely a still image meant for `images=`. Unlike `make_batched_videos`, which silently drops empty
-    videos, empty inputs raise, and nothing here needs a video decoder or `VideoMetadata`.
+    it is more likely a still image meant for `images=`. A list of lists of videos, one list per text, is flattened as
+    `make_batched_videos` does; there an empty list is a text without videos. Unlike `make_batched_videos`, which
+    silently drops empty videos, empty videos raise, and nothing here needs a video decoder or `VideoMetadata`.
     """
     if is_array(videos) and videos.ndim == 5:
         videos = list(videos)
@@ -111,6 +128,12 @@ def make_list_of_videos(videos) -> list[list]:
         isinstance(videos, (list, tuple)) and len(videos) > 0 and all(is_frame(frame) for frame in videos)
     ):
         videos = [videos]
+    elif isinstance(videos, (list, tuple)) and any(map(is_list_of_videos, videos)):
+        if not all(isinstance(group, (list, tuple)) for group in videos):
+            raise ValueError(
+                "`videos` mixes videos with lists of videos: pass a list of videos, or one list of videos per text."
+            )
+        videos = [video for group in videos for video in group]
     if not isinstance(videos, (list, tuple)):
         raise ValueError(
             f"`videos` is {describe(videos)}; expected a video ({VIDEO_FORMS}) or a list of videos."
@@ -145,9 +168,9 @@ def check_texts(text) -> None:
             raise ValueError(f"text {index} is {describe(entry)}; pass a string or a list of strings.")
 
 
-class ChecksInputs:
+class ChecksInputs(ProcessorMixin):
     """
-    For processors built on transformers' `ProcessorMixin`: checks `text` and `images` before transformers prepares
+    A `ProcessorMixin` that checks `text` and `images` before transformers prepares
     them (its own checks fail with "'int' object is not iterable", or let an empty list through), and refuses an
     option that no part of the processor takes, which `ProcessorMixin` only warns about and ignores: a typo
     (`sise=112`) would silently process at the default size.
@@ -163,7 +186,8 @@ class ChecksInputs:
     def _merge_kwargs(self, ModelProcessorKwargs=None, tokenizer_init_kwargs=None, **kwargs) -> dict:
         processor_kwargs = ModelProcessorKwargs or self.valid_processor_kwargs
         inputs = {"text", "images", "videos", "audio"}
-        known = set(processor_kwargs.__annotations__) | inputs
+        # `common_kwargs` (options for every modality) is not annotated on `ProcessingKwargs`, but `_merge_kwargs` takes it.
+        known = set(processor_kwargs.__annotations__) | inputs | {"common_kwargs"}
         parts = {"text_kwargs": "tokenizer", "images_kwargs": "image_processor",
                  "videos_kwargs": "video_processor", "audio_kwargs": "feature_extractor"}  # fmt: skip
         for modality, part in parts.items():

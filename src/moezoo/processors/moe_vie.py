@@ -16,7 +16,9 @@ Three resize policies produce them (`resize_mode`):
 After resizing, pixels are rescaled to [0, 1] and normalised with mean = std = 0.5. When `size` is not a multiple of
 the patch size, the normalised image is zero-padded centrally to the next multiple, as the official transform does.
 
-Videos are lists of frames: `num_frames` frames are sampled uniformly and each one goes through the image pipeline.
+Videos are lists of frames: `num_frames` frames are sampled uniformly (or, with `do_sample_frames=False`, all are kept)
+and each one goes through the image pipeline. The image processor is also the frame processor: it saves the frame
+settings with its other settings, and per-call options override them, as for every image option.
 Text uses a CLIP BPE tokenizer (`CLIPTokenizer`); see `tiny_tokenizers.py` for one built offline for tests.
 
 This file is copied as is into exported Hub folders, where moezoo is not installed: it must import only the standard
@@ -38,7 +40,7 @@ from transformers.models.siglip2.image_processing_pil_siglip2 import (
     get_image_size_for_max_num_patches,
     pad_along_first_dim,
 )
-from transformers.processing_utils import ImagesKwargs, ProcessingKwargs, ProcessorMixin, Unpack
+from transformers.processing_utils import ImagesKwargs, ProcessingKwargs, Unpack
 
 from .inputs import SUPPORTED_NUM_CHANNELS, ChecksInputs, check_images, make_list_of_videos
 
@@ -64,11 +66,14 @@ class MoeVieImageProcessorKwargs(ImagesKwargs, total=False):
 
 class MoeVieVideosKwargs(MoeVieImageProcessorKwargs, total=False):
     r"""
-    num_frames (`int`, *optional*, defaults to the processor's `num_frames`):
+    num_frames (`int`, *optional*, defaults to the image processor's `num_frames`):
         Number of frames sampled uniformly from each video.
+    do_sample_frames (`bool`, *optional*, defaults to the image processor's `do_sample_frames`):
+        Whether to sample `num_frames` frames; `False` keeps every frame of each video.
     """
 
     num_frames: int
+    do_sample_frames: bool
 
 
 def check_resize_mode(resize_mode: str) -> None:
@@ -165,11 +170,16 @@ class MoeVieImageProcessor(PilBackend):
             Normalisation constants.
         do_resize (`bool`, *optional*, defaults to `True`):
             Whether to resize (and crop). Without it, images are only padded to a multiple of the patch size.
+        num_frames (`int`, *optional*, defaults to 8):
+            Frames sampled uniformly from each video (the paper's 8), see [`MoeVieVideoProcessor`].
+        do_sample_frames (`bool`, *optional*, defaults to `True`):
+            Whether to sample `num_frames` frames from each video, or keep them all.
         Other arguments (`do_rescale`, `rescale_factor`, `do_normalize`, `do_convert_rgb`, `input_data_format`) work
         as in every transformers image processor.
     """
 
-    valid_kwargs = MoeVieImageProcessorKwargs
+    # The frame options too: this processor also processes video frames, and its saved config holds their defaults.
+    valid_kwargs = MoeVieVideosKwargs
     model_input_names = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
 
     resize_mode = "square"
@@ -183,8 +193,10 @@ class MoeVieImageProcessor(PilBackend):
     do_rescale = True
     do_normalize = True
     do_convert_rgb = True
+    num_frames = 8
+    do_sample_frames = True
 
-    def __init__(self, **kwargs: Unpack[MoeVieImageProcessorKwargs]):
+    def __init__(self, **kwargs: Unpack[MoeVieVideosKwargs]):
         super().__init__(**kwargs)
         check_resize_mode(self.resize_mode)
 
@@ -309,9 +321,9 @@ class MoeVieVideoProcessor:
 
     Args:
         image_processor ([`MoeVieImageProcessor`]):
-            Processes every sampled frame; its settings (and per-call overrides) apply to videos too.
-        num_frames (`int`, *optional*, defaults to 8):
-            Frames sampled uniformly from each video (the paper's 8); shorter videos keep all their frames.
+            Processes every sampled frame; its settings (and per-call overrides) apply to videos too, including
+            `num_frames` (frames sampled uniformly from each video; shorter videos keep all their frames) and
+            `do_sample_frames` (`False` keeps every frame).
     """
 
     valid_kwargs = MoeVieVideosKwargs
@@ -322,32 +334,39 @@ class MoeVieVideoProcessor:
         "padding_mask_videos",
     ]
 
-    def __init__(self, image_processor: MoeVieImageProcessor, num_frames: int = 8):
+    def __init__(self, image_processor: MoeVieImageProcessor):
         self.image_processor = image_processor
-        self.num_frames = num_frames
 
     def __call__(
-        self, videos, num_frames: int | None = None, return_tensors: str | None = None, **kwargs
+        self,
+        videos,
+        num_frames: int | None = None,
+        do_sample_frames: bool | None = None,
+        return_tensors: str | None = None,
+        **kwargs,
     ) -> BatchFeature:
         """
         Process one video or a list of videos (see [`make_list_of_videos`]); `kwargs` go to the image processor.
         """
-        num_frames = self.num_frames if num_frames is None else num_frames
+        num_frames = self.image_processor.num_frames if num_frames is None else num_frames
+        if do_sample_frames is None:
+            do_sample_frames = self.image_processor.do_sample_frames
         if not isinstance(num_frames, int) or num_frames < 1:
             raise ValueError(f"num_frames must be a positive integer, got {num_frames!r}.")
         videos = make_list_of_videos(videos)
-        sampled = [[video[i] for i in sample_frame_indices(len(video), num_frames)] for video in videos]
+        if do_sample_frames:
+            videos = [[video[i] for i in sample_frame_indices(len(video), num_frames)] for video in videos]
         # One call for all frames of the batch, so that every frame gets the same number of patch slots.
-        frames = self.image_processor([frame for video in sampled for frame in video], return_tensors=None, **kwargs)
+        frames = self.image_processor([frame for video in videos for frame in video], return_tensors=None, **kwargs)
 
-        num_slots = max(len(video) for video in sampled)
+        num_slots = max(len(video) for video in videos)
         num_patches, patch_dim = frames["pixel_values"].shape[1:]
-        pixel_values = np.zeros((len(sampled), num_slots, num_patches, patch_dim), dtype=np.float32)
-        pixel_attention_mask = np.zeros((len(sampled), num_slots, num_patches), dtype=np.int32)
-        padding_mask = np.zeros((len(sampled), num_slots), dtype=bool)
-        spatial_shapes = np.zeros((len(sampled), 2), dtype=np.int64)
+        pixel_values = np.zeros((len(videos), num_slots, num_patches, patch_dim), dtype=np.float32)
+        pixel_attention_mask = np.zeros((len(videos), num_slots, num_patches), dtype=np.int32)
+        padding_mask = np.zeros((len(videos), num_slots), dtype=bool)
+        spatial_shapes = np.zeros((len(videos), 2), dtype=np.int64)
         start = 0
-        for index, video in enumerate(sampled):
+        for index, video in enumerate(videos):
             stop = start + len(video)
             shapes = frames["spatial_shapes"][start:stop]
             if (shapes != shapes[0]).any():
@@ -370,12 +389,12 @@ class MoeVieVideoProcessor:
         return BatchFeature(data=data, tensor_type=return_tensors)
 
 
-class MoeVieProcessingKwargs(ProcessingKwargs, total=False):
+class MoeVieProcessorKwargs(ProcessingKwargs, total=False):
     images_kwargs: MoeVieImageProcessorKwargs
     videos_kwargs: MoeVieVideosKwargs
 
 
-class MoeVieProcessor(ChecksInputs, ProcessorMixin):
+class MoeVieProcessor(ChecksInputs):
     r"""
     Processor for MoE-ViE: a [`MoeVieImageProcessor`] for images and video frames and a CLIP tokenizer for text.
 
@@ -401,22 +420,28 @@ class MoeVieProcessor(ChecksInputs, ProcessorMixin):
             The image processor, also used for video frames.
         tokenizer ([`CLIPTokenizer`]):
             A CLIP BPE tokenizer (the official model uses OpenAI's vocabulary, `model_max_length=144`).
-        num_frames (`int`, *optional*, defaults to 8):
-            Frames sampled per video.
     """
 
-    valid_processor_kwargs = MoeVieProcessingKwargs
+    valid_processor_kwargs = MoeVieProcessorKwargs
     text_kwargs = {"padding": "max_length", "truncation": True}
 
-    def __init__(self, image_processor, tokenizer, num_frames: int = 8):
+    # ProcessorMixin finds its sub-processors by the names of the `__init__` arguments.
+    def __init__(self, image_processor, tokenizer):
         super().__init__(image_processor, tokenizer)
-        self.num_frames = num_frames
+
+    @classmethod
+    def from_args_and_dict(cls, args, processor_dict: dict, **kwargs):
+        # Folders saved before the frame settings moved to the image processor hold `num_frames` in the processor's
+        # own config, which `ProcessorMixin` would drop: it goes to the image processor, which owns it now.
+        if "num_frames" in processor_dict:
+            args[cls.get_attributes().index("image_processor")].num_frames = processor_dict.pop("num_frames")
+        return super().from_args_and_dict(args, processor_dict, **kwargs)
 
     @property
     def video_processor(self) -> MoeVieVideoProcessor:
-        # Built on access, not stored: the image processor and `num_frames` keep a single owner, and ProcessorMixin
-        # does not try to save or load it as a sub-processor (transformers' video processors need torchvision).
-        return MoeVieVideoProcessor(self.image_processor, num_frames=self.num_frames)
+        # Built on access, not stored: the image processor owns every frame setting, and ProcessorMixin does not try
+        # to save or load it as a sub-processor (transformers' video processors need torchvision).
+        return MoeVieVideoProcessor(self.image_processor)
 
     @property
     def model_input_names(self) -> list[str]:
