@@ -60,7 +60,7 @@ class OmniMoeVlProcessor(ChecksInputs):
 
     Args:
         image_processor (`SiglipImageProcessorPil`): resizes to the vision tower's input size.
-        tokenizer (`Qwen2TokenizerFast`): Qwen3's tokenizer, which holds `<|image_pad|>`, `<|vision_start|>`,
+        tokenizer (`Qwen2Tokenizer`): Qwen3's tokenizer, which holds `<|image_pad|>`, `<|vision_start|>`,
             `<|vision_end|>`, `<|im_start|>` and `<|im_end|>`.
         chat_template (`str`, *optional*): defaults to the ChatML template above.
         num_image_tokens (`int`, *optional*, defaults to 576): placeholders per image, the config's
