@@ -14,6 +14,7 @@ from moezoo.configuration.moe_vie import TINY_MOE_VIE, MoeVieConfig
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.mote import TINY_GLM_OCR_MOTE, TINY_VIDEOLLM_MOTE, GlmOcrMoteConfig, VideoLlmMoteConfig
 from moezoo.modeling.moe_vie import MoeVieModel
+from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration
 from moezoo.processors.build import make_moe_vie_processor
 from moezoo.processors.build_moemb import make_moemb_processor
@@ -134,6 +135,14 @@ MOEMB_CASES = {
 @pytest.mark.parametrize(("call", "error", "message"), MOEMB_CASES.values(), ids=MOEMB_CASES)
 def test_moemb_processor(moemb, call, error, message):
     check(call, moemb, error, message)
+
+
+def test_moemb_model_fed_pixels_without_the_prompt(moemb):
+    torch.manual_seed(0)
+    model = MoEmbForEmbedding(MoEmbConfig(**TINY_MOEMB)).eval()
+    inputs = moemb([{"images": [IMAGE]}], return_tensors="pt")
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds, got neither: images"):
+        model(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
 
 
 # --- VideoLLM-MoTE ---------------------------------------------------------------------------------------------------

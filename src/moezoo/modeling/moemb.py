@@ -293,6 +293,17 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
 # --- pretrained models --------------------------------------------------------------------------------------------
 
 
+def check_text_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+    """Every MoEMB forward reads the token sequence, images and videos included (as placeholder tokens), from exactly
+    one of `input_ids` and `inputs_embeds`."""
+    if (input_ids is None) == (inputs_embeds is None):
+        given = "both" if input_ids is not None else "neither"
+        raise ValueError(
+            f"MoEMB needs exactly one of input_ids and inputs_embeds, got {given}: images and videos enter as "
+            "placeholder tokens in input_ids beside their pixel values, so pass everything the processor returned"
+        )
+
+
 class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
     """Qwen3.5-MoE's weight initialisation and attention support, plus the core's modules. `MoePreTrainedMixin`
     makes `experts_implementation` switchable although the experts live in the core."""
@@ -354,8 +365,7 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
         output_routing_counts: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("MoEMB needs exactly one of input_ids and inputs_embeds")
+        check_text_inputs(input_ids, inputs_embeds)
         packed = packed_sequences(input_ids, inputs_embeds, attention_mask, cu_seqlens)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -467,8 +477,7 @@ class MoEmbModel(MoEmbPreTrainedModel):
         output_routing_counts: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("MoEMB needs exactly one of input_ids and inputs_embeds")
+        check_text_inputs(input_ids, inputs_embeds)
         # Validated before the vision tower runs: a malformed batch fails fast.
         packed = packed_sequences(input_ids, inputs_embeds, attention_mask, cu_seqlens)
         if inputs_embeds is None:
@@ -563,6 +572,7 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
     ) -> MoEmbOutput:
         """Inputs as `MoEmbModel.forward` (what the processor returns), plus an optional `pooled_index`: for padded
         batches the position in each row, for packed ones the position in the packed row."""
+        check_text_inputs(input_ids, inputs_embeds)
         self._check_visual_inputs(input_ids, inputs_embeds, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                   pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         if pooled_index is None:  # before the forward: a batch without its <emb> tokens fails fast
