@@ -145,6 +145,16 @@ def test_readme_counts_the_bad_input_checks():
     )
 
 
+def test_readme_names_the_pinned_versions():
+    """The versions the README names are the ones `make setup` installs (constraints.txt)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    libraries = "torch|transformers|peft|trl|accelerate|datasets|huggingface_hub"
+    named = dict(re.findall(rf"\b({libraries}) (\d+\.\d+\.\d+)", readme))
+    pinned = dict(re.findall(r"^([\w-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M))
+    assert len(named) == 7, named
+    assert {name: pinned[name] for name in named} == named
+
+
 def test_readme_stays_an_index():
     """The guides live in docs/: the README is what moezoo is, the commands, the table, quickstarts and links."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
