@@ -7,6 +7,7 @@ registered one.
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -229,6 +230,24 @@ def test_output_folders_take_the_umask_permissions(tmp_path):
         os.umask(previous)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_staging_folders_of_killed_processes_are_removed_by_the_next_run(tmp_path):
+    """A SIGKILL (or the out-of-memory killer) leaves its staging folder: the next write beside it removes it, while a
+    live process's staging folder and another host's are kept."""
+    from moezoo.hub.folders import atomic_output_dir
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, host = int(child.stdout), socket.gethostname()
+    killed = tmp_path / f".out.partial-{host}-{dead_pid}-0badc0de"
+    live = tmp_path / f".out.partial-{host}-{os.getpid()}-00c0ffee"
+    elsewhere = tmp_path / f".out.partial-another-host-{dead_pid}-feedf00d"
+    for folder in (killed, live, elsewhere):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half written")
+    with atomic_output_dir(tmp_path / "out") as staging:
+        (staging / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, elsewhere.name])
 
 
 def test_a_corrupt_config_is_named(tmp_path):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import secrets
+import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False):
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(out)
     staging = _new_folder_beside(out)
     try:
         yield staging
@@ -41,15 +43,41 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False):
 
 
 def _new_folder_beside(out: Path) -> Path:
-    """A new empty folder `.{name}.partial-<random>` beside `out`, with the permissions the umask gives (mkdtemp's
-    are 0700, which would make every output folder private to its owner on a shared machine)."""
+    """A new empty folder `.{name}.partial-<host>-<pid>-<random>` beside `out`, with the permissions the umask gives
+    (mkdtemp's are 0700, which would make every output folder private to its owner on a shared machine). The host and
+    process in the name let a later run tell a folder left by a killed process from one a live run is filling."""
     while True:
-        staging = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
+        staging = out.with_name(f"{_staging_prefix(out)}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             staging.mkdir()
         except FileExistsError:
             continue
         return staging
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove the staging folders beside `out` that processes of this host left when they were killed without a chance
+    to clean up (SIGKILL, the out-of-memory killer, a power cut); those of live processes, or of other hosts sharing
+    the file system, are kept."""
+    host = socket.gethostname()
+    for folder in out.parent.glob(f"{_staging_prefix(out)}{host}-*"):
+        pid = folder.name.removeprefix(f"{_staging_prefix(out)}{host}-").partition("-")[0]
+        if pid.isdigit() and not _process_is_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    return True
 
 
 def read_provenance(folder: str | Path) -> dict:
