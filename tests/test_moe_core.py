@@ -11,6 +11,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from moezoo.modeling.moe import (
+    GeluExperts,
     MoeLayerSpec,
     SparseMoeBlock,
     SwiGLUExperts,
@@ -440,3 +441,25 @@ def test_router_logit_bias_enters_logits_and_trains():
     with pytest.raises(ValueError, match="router_logit_bias"):
         MoeLayerSpec(hidden_size=8, num_experts=4, num_experts_per_tok=1, expert_intermediate_size=4,
                      router_type="given", router_logit_bias=True)
+
+
+@pytest.mark.parametrize("width", [12, 16])
+@pytest.mark.parametrize("expert_type", ["swiglu", "gelu"])
+def test_experts_handed_to_transformers_run_at_any_width_in_bf16(expert_type, width):
+    """What the moezoo implementations hand to transformers (other devices, expert parallelism, compile tracing) runs
+    for 16-bit experts whose rows are not 16-byte aligned (MoE-ViE-L/H's widths), which `grouped_mm` refuses."""
+    from moezoo.kernels.sorted_experts import transformers_experts_forward
+
+    torch.manual_seed(0)
+    spec = MoeLayerSpec(hidden_size=32, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=width,
+                        expert_type=expert_type, hidden_act="silu" if expert_type == "swiglu" else "gelu")
+    experts = (SwiGLUExperts if expert_type == "swiglu" else GeluExperts)(PreTrainedConfig(), spec)
+    for parameter in experts.parameters():
+        nn.init.normal_(parameter, std=0.2)
+    experts = experts.to(torch.bfloat16)
+    hidden_states = torch.randn(10, 32, dtype=torch.bfloat16)
+    top_k_index = torch.randint(0, 4, (10, 2))
+    top_k_weights = torch.rand(10, 2, dtype=torch.bfloat16)
+    expected = copy.deepcopy(experts).float()(hidden_states.float(), top_k_index, top_k_weights.float())
+    actual = transformers_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+    torch.testing.assert_close(actual.float(), expected, rtol=0.05, atol=0.05)

@@ -32,7 +32,8 @@ derivative (which also yields the routing-weight gradients), instead of three an
 compiler the PyTorch path above serves every call.
 
 Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
-torch.compile tracing) is handed to transformers' `grouped_mm` implementation.
+torch.compile tracing) is handed to transformers' `grouped_mm` implementation (`batched_mm` for weights `grouped_mm`
+cannot take: `transformers_experts_forward`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ import threading
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import ExpertsInterface, _default_apply_gate, grouped_mm_experts_forward
+from transformers.integrations.moe import (
+    ExpertsInterface,
+    _default_apply_gate,
+    batched_mm_experts_forward,
+    grouped_mm_experts_forward,
+)
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from .native import native_library
@@ -377,7 +383,7 @@ def _gradients_with_graph(module, grad_output, inputs, needs_input_grad):
     hidden_states, top_k_index, top_k_weights = inputs[:3]
     wanted = [tensor for tensor, needed in zip(inputs, needs_input_grad) if needed]
     with torch.enable_grad():
-        output = grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+        output = transformers_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     gradients = iter(torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True))
     return tuple(next(gradients) if needed else None for needed in needs_input_grad)
 
@@ -550,6 +556,17 @@ def handed_to_grouped_mm(module) -> bool:
     return is_torchdynamo_compiling() or module._is_expert_parallel or module.has_post_expert_norm
 
 
+def transformers_experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """transformers' `grouped_mm`, or its `batched_mm` where `torch._grouped_mm` refuses the weights: it needs every
+    row of its operands 16-byte aligned, which 16-bit experts of an odd width are not (MoE-ViE-L's 684 and -H's 854
+    in bf16 fail with "strides should be multiple of 16 bytes")."""
+    up_weight, _, down_weight, _ = expert_parameters(module)
+    row_lengths = (*up_weight.shape[1:], *down_weight.shape[1:])  # (out, in) of both projections, transposed or not
+    if all(length * up_weight.element_size() % 16 == 0 for length in row_lengths):
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
 def expert_parameters(module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """`(up_weight, up_bias, down_weight, down_bias)` of an experts module; up is gate_up with a gate; biases or None."""
     up_weight = module.gate_up_proj if module.has_gate else module.up_proj
@@ -567,7 +584,7 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
     if hidden_states.device.type != "cpu" or handed_to_grouped_mm(module):
-        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+        return transformers_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
     check_experts_inputs(module, hidden_states, top_k_index, top_k_weights, up_weight, down_weight)
     # The experts compute in their weights' dtype and answer in the input's, as transformers' grouped_mm does: the two
