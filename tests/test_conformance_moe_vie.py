@@ -48,6 +48,33 @@ SIGLIP_PROFILE = dict(
 )
 
 
+class SingleTowerSkips:
+    """The skips of Siglip2's own vision and text tower tests, which MoE-ViE's towers share."""
+
+    @unittest.skip(reason=f"a MoE-ViE tower takes no inputs_embeds, as {SIGLIP2_TESTS} skips it for Siglip2's towers")
+    def test_inputs_embeds(self):
+        pass
+
+    @unittest.skip(reason=f"a single tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
+    def test_training(self):
+        pass
+
+    @unittest.skip(reason=f"a single tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
+    def test_training_gradient_checkpointing(self):
+        pass
+
+    @unittest.skip(reason=f"a single tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
+    def test_training_gradient_checkpointing_use_reentrant_false(self):
+        pass
+
+    @unittest.skip(
+        reason=f"a single tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it (there under its "
+        "name before transformers 5.24, test_training_gradient_checkpointing_use_reentrant)"
+    )
+    def test_training_gradient_checkpointing_use_reentrant_true(self):
+        pass
+
+
 class MoeVieVisionModelTester:
     """Pre-patchified NaFlex batches (`pixel_values (B, N, p*p*C)`, `pixel_attention_mask`, `spatial_shapes`) of
     images with different patch grids, padded to `seq_length` patches, as Siglip2's tester makes them."""
@@ -127,7 +154,7 @@ class MoeVieVisionModelTester:
         return config, inputs
 
 
-class MoeVieVisionModelTest(ModelTesterMixin, unittest.TestCase):
+class MoeVieVisionModelTest(SingleTowerSkips, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (MoeVieVisionModel,)
     # What the common tests that build their own batch (eager vs sdpa) pass besides `pixel_values`.
     additional_model_inputs = ["pixel_attention_mask", "spatial_shapes"]
@@ -145,35 +172,12 @@ class MoeVieVisionModelTest(ModelTesterMixin, unittest.TestCase):
     def test_model(self):
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
 
-    @unittest.skip(reason=f"MoE-ViE's vision tower takes no inputs_embeds, as {SIGLIP2_TESTS} skips it for Siglip2")
-    def test_inputs_embeds(self):
-        pass
-
     def test_model_get_set_embeddings(self):
         # Siglip2's own version: the input embedding of a pre-patchified tower is a Linear patch embedding.
         config, _ = self.model_tester.prepare_config_and_inputs_for_common()
         model = MoeVieVisionModel(config)
         self.assertIs(model.get_input_embeddings(), model.embeddings.patch_embedding)
         self.assertIsNone(model.get_output_embeddings())
-
-    @unittest.skip(reason=f"the vision tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training(self):
-        pass
-
-    @unittest.skip(reason=f"the vision tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training_gradient_checkpointing(self):
-        pass
-
-    @unittest.skip(reason=f"the vision tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        pass
-
-    @unittest.skip(
-        reason=f"the vision tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it (there under its "
-        "name before transformers 5.24, test_training_gradient_checkpointing_use_reentrant)"
-    )
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        pass
 
 
 class MoeVieTextModelTester:
@@ -244,7 +248,7 @@ class MoeVieTextModelTester:
         return config, {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-class MoeVieTextModelTest(ModelTesterMixin, unittest.TestCase):
+class MoeVieTextModelTest(SingleTowerSkips, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (MoeVieTextModel,)
     test_resize_embeddings = False
 
@@ -257,29 +261,6 @@ class MoeVieTextModelTest(ModelTesterMixin, unittest.TestCase):
 
     def test_model(self):
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
-
-    @unittest.skip(reason=f"MoE-ViE's text tower takes no inputs_embeds, as {SIGLIP2_TESTS} skips it for Siglip2")
-    def test_inputs_embeds(self):
-        pass
-
-    @unittest.skip(reason=f"the text tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training(self):
-        pass
-
-    @unittest.skip(reason=f"the text tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training_gradient_checkpointing(self):
-        pass
-
-    @unittest.skip(reason=f"the text tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it")
-    def test_training_gradient_checkpointing_use_reentrant_false(self):
-        pass
-
-    @unittest.skip(
-        reason=f"the text tower has no loss of its own to train on, as {SIGLIP2_TESTS} skips it (there under its "
-        "name before transformers 5.24, test_training_gradient_checkpointing_use_reentrant)"
-    )
-    def test_training_gradient_checkpointing_use_reentrant_true(self):
-        pass
 
 
 class MoeVieVideoTester:
