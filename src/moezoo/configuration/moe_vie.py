@@ -12,9 +12,21 @@ Every invalid value fails at construction with a `ValueError` that names the fie
 import math
 
 from transformers import PreTrainedConfig
-from transformers.activations import ACT2FN
-
 from ..modeling.moe.spec import MoeLayerSpec
+from .validation import (
+    is_non_negative_int,
+    is_positive_int,
+    require_activation,
+    require_bools,
+    require_choice,
+    require_divides,
+    require_finite,
+    require_non_negative,
+    require_non_negative_ints,
+    require_positive,
+    require_positive_ints,
+    require_probability,
+)
 
 
 class MoeVieVisionConfig(PreTrainedConfig):
@@ -125,33 +137,33 @@ class MoeVieVisionConfig(PreTrainedConfig):
         )
 
     def validate_fields(self) -> None:
-        _require_bools(self)
-        _require_positive_ints(
+        require_bools(self)
+        require_positive_ints(
             self, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
             "image_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
             "pooling_num_attention_heads", "pooling_intermediate_size",
         )
-        _require_non_negative_ints(self, "n_shared_experts", "rope_position_offset")
-        _require_non_negative(self, "expert_bias_update_rate", "router_aux_loss_coef", "shared_expert_scale",
+        require_non_negative_ints(self, "n_shared_experts", "rope_position_offset")
+        require_non_negative(self, "expert_bias_update_rate", "router_aux_loss_coef", "shared_expert_scale",
                               "initializer_range")
-        _require_positive(self, "layer_norm_eps", "rope_theta", "routed_scaling_factor")
-        _require_dropout(self, "attention_dropout")
-        _require_choice(self, "mlp_type", ("swiglu", "gelu"))
-        _require_activation(self, "hidden_act")
-        _require_activation(self, "pooling_hidden_act")
-        _require_choice(self, "scoring_func", ("sigmoid",), why="MoE-ViE routes with sigmoid affinities (spec §2.1)")
-        _require_choice(self, "expert_bias_update_rule", ("zscore", "sign"))
-        _require_choice(self, "router_aux_loss_type", ("none", "load_balancing", "z_loss"))
-        _require_choice(self, "position_embedding_type", ("rope_2d", "learned"))
-        _require_divides(self, "num_attention_heads", "hidden_size")
-        _require_divides(self, "pooling_num_attention_heads", "hidden_size")
+        require_positive(self, "layer_norm_eps", "rope_theta", "routed_scaling_factor")
+        require_probability(self, "attention_dropout")
+        require_choice(self, "mlp_type", ("swiglu", "gelu"))
+        require_activation(self, "hidden_act")
+        require_activation(self, "pooling_hidden_act")
+        require_choice(self, "scoring_func", ("sigmoid",), why="MoE-ViE routes with sigmoid affinities (spec §2.1)")
+        require_choice(self, "expert_bias_update_rule", ("zscore", "sign"))
+        require_choice(self, "router_aux_loss_type", ("none", "load_balancing", "z_loss"))
+        require_choice(self, "position_embedding_type", ("rope_2d", "learned"))
+        require_divides(self, "num_attention_heads", "hidden_size")
+        require_divides(self, "pooling_num_attention_heads", "hidden_size")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"{type(self).__name__}.num_experts_per_tok={self.num_experts_per_tok} is larger than "
                 f"n_routed_experts={self.n_routed_experts}: a token cannot be routed to more experts than exist"
             )
         if not isinstance(self.moe_layers, (list, tuple)) or any(
-            not _is_non_negative_int(i) or i >= self.num_hidden_layers for i in self.moe_layers
+            not is_non_negative_int(i) or i >= self.num_hidden_layers for i in self.moe_layers
         ):
             raise ValueError(
                 f"{type(self).__name__}.moe_layers must list block indices in [0, num_hidden_layers="
@@ -166,7 +178,7 @@ class MoeVieVisionConfig(PreTrainedConfig):
                 "by the row, in pairs)"
             )
         if self.position_embedding_type == "learned":
-            grid = math.isqrt(self.num_patches) if _is_positive_int(self.num_patches) else 0
+            grid = math.isqrt(self.num_patches) if is_positive_int(self.num_patches) else 0
             if grid * grid != self.num_patches:
                 raise ValueError(
                     f"{type(self).__name__}.num_patches must be a positive square number (the learned grid of "
@@ -212,19 +224,19 @@ class MoeVieTextConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_fields(self) -> None:
-        _require_bools(self)
-        _require_positive_ints(
+        require_bools(self)
+        require_positive_ints(
             self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings",
         )
-        _require_positive(self, "layer_norm_eps")
-        _require_non_negative(self, "initializer_range")
-        _require_dropout(self, "attention_dropout")
-        _require_choice(self, "mlp_type", ("swiglu", "gelu"))
-        _require_activation(self, "hidden_act")
-        _require_choice(self, "pooling_type", ("eos", "last"))
-        _require_divides(self, "num_attention_heads", "hidden_size")
-        if self.pooling_type == "eos" and not _is_non_negative_int(self.eos_token_id):
+        require_positive(self, "layer_norm_eps")
+        require_non_negative(self, "initializer_range")
+        require_probability(self, "attention_dropout")
+        require_choice(self, "mlp_type", ("swiglu", "gelu"))
+        require_activation(self, "hidden_act")
+        require_choice(self, "pooling_type", ("eos", "last"))
+        require_divides(self, "num_attention_heads", "hidden_size")
+        if self.pooling_type == "eos" and not is_non_negative_int(self.eos_token_id):
             raise ValueError(
                 f"{type(self).__name__}.eos_token_id must be a token id with pooling_type='eos' (the text is pooled "
                 f"at its first EOS), got {self.eos_token_id!r}"
@@ -272,105 +284,14 @@ class MoeVieConfig(PreTrainedConfig):
         return self.projection_dim if self.projection_dim is not None else self.vision_config.hidden_size
 
     def validate_fields(self) -> None:
-        _require_bools(self)
+        require_bools(self)
         if self.projection_dim is not None:
-            _require_positive_ints(self, "projection_dim")
-        _require_choice(self, "loss_type", ("softmax", "sigmoid"))
-        _require_finite(self, "logit_scale_init_value", "logit_bias_init_value")
+            require_positive_ints(self, "projection_dim")
+        require_choice(self, "loss_type", ("softmax", "sigmoid"))
+        require_finite(self, "logit_scale_init_value", "logit_bias_init_value")
         if self.max_logit_scale is not None:
-            _require_positive(self, "max_logit_scale")
-        _require_non_negative(self, "initializer_range", "initializer_factor")
-
-
-# --- validation helpers: each error names the class and the field ------------------------------------------------
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_non_negative_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require_bools(config) -> None:
-    """Every field the class declares `bool` must be one: a string such as "false" (from a hand-edited config) is
-    truthy and would silently switch the option on."""
-    for name, declared_type in type(config).__annotations__.items():
-        value = getattr(config, name)
-        if declared_type is bool and not isinstance(value, bool):
-            raise ValueError(f"{type(config).__name__}.{name} must be True or False, got {value!r}")
-
-
-def _require_finite(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not _is_number(value):
-            raise ValueError(f"{type(config).__name__}.{name} must be a finite number, got {value!r}")
-
-
-def _require_positive_ints(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not _is_positive_int(value):
-            raise ValueError(f"{type(config).__name__}.{name} must be a positive integer, got {value!r}")
-
-
-def _require_non_negative_ints(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not _is_non_negative_int(value):
-            raise ValueError(f"{type(config).__name__}.{name} must be an integer >= 0, got {value!r}")
-
-
-def _require_non_negative(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not _is_number(value) or value < 0:
-            raise ValueError(f"{type(config).__name__}.{name} must be a number >= 0, got {value!r}")
-
-
-def _require_positive(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not _is_number(value) or value <= 0:
-            raise ValueError(f"{type(config).__name__}.{name} must be a number > 0, got {value!r}")
-
-
-def _require_dropout(config, name: str) -> None:
-    value = getattr(config, name)
-    if not _is_number(value) or not 0 <= value < 1:
-        raise ValueError(f"{type(config).__name__}.{name} must be a probability in [0, 1), got {value!r}")
-
-
-def _require_choice(config, name: str, choices: tuple[str, ...], why: str = "") -> None:
-    value = getattr(config, name)
-    if value not in choices:
-        reason = f" ({why})" if why else ""
-        raise ValueError(
-            f"{type(config).__name__}.{name}={value!r} is not one of {', '.join(map(repr, choices))}{reason}"
-        )
-
-
-def _require_activation(config, name: str) -> None:
-    value = getattr(config, name)
-    if value not in ACT2FN:
-        raise ValueError(
-            f"{type(config).__name__}.{name}={value!r} is not a known activation; use one of transformers' ACT2FN "
-            "names, e.g. 'silu', 'gelu', 'gelu_pytorch_tanh'"
-        )
-
-
-def _require_divides(config, divisor_name: str, dividend_name: str) -> None:
-    divisor, dividend = getattr(config, divisor_name), getattr(config, dividend_name)
-    if dividend % divisor:
-        raise ValueError(
-            f"{type(config).__name__}.{divisor_name}={divisor} does not divide {dividend_name}={dividend}"
-        )
+            require_positive(self, "max_logit_scale")
+        require_non_negative(self, "initializer_range", "initializer_factor")
 
 
 # --- named configurations ------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ experts. Every invalid value raises a `ValueError` naming the field.
 """
 
 import copy
-import math
 import re
 from dataclasses import dataclass
 
@@ -29,7 +28,16 @@ from transformers import (
     PreTrainedConfig,
     SiglipVisionConfig,
 )
-from transformers.activations import ACT2FN
+
+from .validation import (
+    is_int,
+    require_activation,
+    require_choice,
+    require_non_negative,
+    require_positive,
+    require_positive_ints,
+    require_token_id,
+)
 
 
 ROUTING_MODES = ("task", "dense", "token_top1", "sample_top1")
@@ -217,15 +225,8 @@ class MoteTextConfigMixin:
                 f"{owner}.mote_num_shared_experts must be 0 or 1 (MoTE has at most one shared expert), got "
                 f"{self.mote_num_shared_experts!r}"
             )
-        for field in ("mote_routed_expert_scale", "mote_shared_expert_scale", "mote_router_aux_loss_coef"):
-            value = getattr(self, field)
-            if not _is_number(value) or value < 0:
-                raise ValueError(f"{owner}.{field} must be a number >= 0, got {value!r}")
-        if self.mote_routing_mode not in ROUTING_MODES:
-            raise ValueError(
-                f"{owner}.mote_routing_mode={self.mote_routing_mode!r} is not one of "
-                f"{', '.join(map(repr, ROUTING_MODES))}"
-            )
+        require_non_negative(self, "mote_routed_expert_scale", "mote_shared_expert_scale", "mote_router_aux_loss_coef")
+        require_choice(self, "mote_routing_mode", ROUTING_MODES)
         if self.mote_default_route is not None and self.mote_default_route not in names:
             raise ValueError(
                 f"{owner}.mote_default_route={self.mote_default_route!r} is not an expert; choose one of {names} "
@@ -234,7 +235,7 @@ class MoteTextConfigMixin:
         layers = self.mote_layers
         if layers is not None and (
             not isinstance(layers, list)
-            or any(not _is_int(i) or not 0 <= i < self.num_hidden_layers for i in layers)
+            or any(not is_int(i) or not 0 <= i < self.num_hidden_layers for i in layers)
             or layers != sorted(set(layers))
         ):
             raise ValueError(
@@ -242,7 +243,7 @@ class MoteTextConfigMixin:
                 f"[0, num_hidden_layers={self.num_hidden_layers}), got {layers!r}"
             )
         width = self.mote_expert_intermediate_size
-        if width is not None and (not _is_int(width) or width <= 0):
+        if width is not None and (not is_int(width) or width <= 0):
             raise ValueError(f"{owner}.mote_expert_intermediate_size must be None or a positive integer, got {width!r}")
         if self.mote_init is not None:
             if not isinstance(self.mote_init, dict) or set(self.mote_init) != {"experts", "shared"}:
@@ -365,12 +366,7 @@ class VideoLlmMoteConfig(PreTrainedConfig):
     def validate_fields(self) -> None:
         vocab_size = self.text_config.vocab_size
         for field in ("video_token_id", "frame_token_interval_id"):
-            value = getattr(self, field)
-            if not _is_int(value) or not 0 <= value < vocab_size:
-                raise ValueError(
-                    f"VideoLlmMoteConfig.{field} must be a token id in [0, text_config.vocab_size={vocab_size}), "
-                    f"got {value!r}"
-                )
+            require_token_id(self, field, vocab_size)
         if self.video_token_id == self.frame_token_interval_id:
             raise ValueError(
                 f"VideoLlmMoteConfig.video_token_id and VideoLlmMoteConfig.frame_token_interval_id are both "
@@ -378,7 +374,7 @@ class VideoLlmMoteConfig(PreTrainedConfig):
                 "tokens"
             )
         pooled = self.frame_token_pooled
-        if not isinstance(pooled, list) or len(pooled) != 2 or any(not _is_int(n) or n <= 0 for n in pooled):
+        if not isinstance(pooled, list) or len(pooled) != 2 or any(not is_int(n) or n <= 0 for n in pooled):
             raise ValueError(f"VideoLlmMoteConfig.frame_token_pooled must be [rows, cols] > 0, got {pooled!r}")
         expected = int(bool(self.frame_token_cls)) + pooled[0] * pooled[1]
         if self.frame_num_tokens != expected:
@@ -391,39 +387,16 @@ class VideoLlmMoteConfig(PreTrainedConfig):
                 f"VideoLlmMoteConfig.frame_resolution={self.frame_resolution!r} must equal vision_config.image_size="
                 f"{self.vision_config.image_size}: SigLIP's learned positions fix the frame size"
             )
-        if not _is_number(self.frame_fps) or self.frame_fps <= 0:
-            raise ValueError(f"VideoLlmMoteConfig.frame_fps must be a number > 0, got {self.frame_fps!r}")
-        if not _is_int(self.max_num_frames) or self.max_num_frames <= 0:
-            raise ValueError(
-                f"VideoLlmMoteConfig.max_num_frames must be a positive integer, got {self.max_num_frames!r}"
-            )
-        if self.projector_hidden_act not in ACT2FN:
-            raise ValueError(
-                f"VideoLlmMoteConfig.projector_hidden_act={self.projector_hidden_act!r} is not a known activation "
-                "(one of transformers' ACT2FN names, e.g. 'gelu')"
-            )
-        if not _is_number(self.stream_loss_weight) or self.stream_loss_weight < 0:
-            raise ValueError(
-                f"VideoLlmMoteConfig.stream_loss_weight must be a number >= 0, got {self.stream_loss_weight!r}"
-            )
-        if self.stream_silence_token not in STREAM_SILENCE_TOKENS:
-            raise ValueError(
-                f"VideoLlmMoteConfig.stream_silence_token={self.stream_silence_token!r} is not one of "
-                f"{STREAM_SILENCE_TOKENS}"
-            )
+        require_positive(self, "frame_fps")
+        require_positive_ints(self, "max_num_frames")
+        require_activation(self, "projector_hidden_act")
+        require_non_negative(self, "stream_loss_weight")
+        require_choice(self, "stream_silence_token", STREAM_SILENCE_TOKENS)
         if not self.vision_config.vision_use_head and self.frame_token_cls:
             raise ValueError(
                 "VideoLlmMoteConfig.frame_token_cls=True needs vision_config.vision_use_head=True: the frame's first "
                 "token is SigLIP's attention-pooled output"
             )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # --- named configurations ------------------------------------------------------------------------------------------
