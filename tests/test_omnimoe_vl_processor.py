@@ -146,8 +146,10 @@ def test_batches_are_left_padded(processor):
         ([image(), image()], "one", "should be the same as the number of images"),
         (None, "one", "no images were passed"),
         ([image()], "<|im_start|>user\n<|image_pad|>what<|im_end|>\n", None),
-        ([image(), image()], "two", "one image per prompt"),
-        ([image()], "<|vision_start|><|image_pad|><|vision_end|>\nwhat color is the car?", "outside a user turn"),
+        # Several images in one prompt are formatted; the model is what refuses them (one image per sample).
+        ([image(), image()], "two", None),
+        # A prompt without ChatML turns is one user question, as transformers' plain image-text prompts.
+        ([image()], "<|vision_start|><|image_pad|><|vision_end|>\nwhat color is the car?", None),
         ([image()], "<|im_start|>system\n<|image_pad|><|im_end|>\n", "outside a user turn"),
     ],
 )

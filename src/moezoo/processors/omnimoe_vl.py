@@ -14,17 +14,20 @@ the model), by `ProcessorMixin.__call__` through `replace_image_token`.
 `pixel_values` `(num_images, 3, H, W)`, `prompt_mask` (1 on the question tokens of the user turn that holds the
 image: what conditions the model's depth route) and, with `return_labels=True` for training collators, `labels`
 (-100 everywhere but the assistant answers and their `<|im_end|>`). Both masks are found from the tokens, so they
-also work on text rendered beforehand.
+also work on text rendered beforehand; a prompt written without ChatML turns is one user question.
 
 Images go through transformers' `SiglipImageProcessorPil` (squash to the tower's size, bicubic, mean = std = 0.5),
 which needs no torchvision.
 
-This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library
-and transformers it imports only from `inputs.py`, which is copied beside it.
+This file is copied as is into exported Hub folders, where moezoo is not installed: besides the standard library,
+numpy and transformers it imports only from `inputs.py`, which is copied beside it.
 """
 
+import numpy as np
 from transformers.image_processing_utils import BatchFeature
-from transformers.processing_utils import ProcessingKwargs
+from transformers.image_utils import ImageInput
+from transformers.processing_utils import MultiModalData, ProcessingKwargs, Unpack
+from transformers.tokenization_utils_base import PreTokenizedInput, TextInput
 
 from .inputs import ChecksInputs
 
@@ -50,8 +53,12 @@ CHAT_TEMPLATE = (
 
 
 class OmniMoeVlProcessorKwargs(ProcessingKwargs, total=False):
-    # Left padding keeps every prompt's last token at the end of its row, where generation continues.
-    _defaults = {"text_kwargs": {"padding": False, "padding_side": "left"}}
+    r"""
+    return_labels (`bool`, *optional*, defaults to `False`):
+        Whether to return `labels` for training: the assistant answers and their `<|im_end|>`, -100 elsewhere.
+    """
+
+    return_labels: bool
 
 
 class OmniMoeVlProcessor(ChecksInputs):
@@ -68,6 +75,9 @@ class OmniMoeVlProcessor(ChecksInputs):
     """
 
     valid_processor_kwargs = OmniMoeVlProcessorKwargs
+    # Left padding keeps every prompt's last token at the end of its row, where generation continues.
+    text_kwargs = {"padding_side": "left"}
+    return_labels = False
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, num_image_tokens=576, **kwargs):
         self.num_image_tokens = num_image_tokens
@@ -83,37 +93,58 @@ class OmniMoeVlProcessor(ChecksInputs):
         # Only the pad is expanded: the template already wraps it in <|vision_start|> ... <|vision_end|>.
         return IMAGE_TOKEN * self.num_image_tokens
 
+    def _get_num_multimodal_tokens(self, image_sizes=None, **kwargs) -> MultiModalData:
+        """
+        The number of placeholder tokens each image of `image_sizes` ((height, width) pairs) becomes: always
+        `num_image_tokens`, since every image is resized to the vision tower's fixed size (as LLaVA's processor).
+        """
+        vision_data = {}
+        if image_sizes is not None:
+            vision_data["num_image_tokens"] = [self.num_image_tokens] * len(image_sizes)
+            vision_data["num_image_patches"] = [1] * len(image_sizes)
+        return MultiModalData(**vision_data)
+
     def validate_inputs(self, images=None, text=None, videos=None, audio=None, **kwargs):
-        super().validate_inputs(images=images, text=text, videos=videos, audio=audio, **kwargs)
+        if videos is not None or audio is not None:
+            raise ValueError("OmniMoE-VL takes images and text only; it has no video or audio input")
+        super().validate_inputs(images=images, text=text, **kwargs)
         if text is None:
             return
+        # The model takes one image per prompt and says so; the processor formats any number, as transformers'
+        # processors do, so that it also serves conversations checked elsewhere (chat templates, assistant masks).
         for index, sample in enumerate(text):
-            count = sample.count(IMAGE_TOKEN)
-            if count > 1:
-                raise ValueError(
-                    f"text {index} holds {count} {IMAGE_TOKEN} placeholders; OmniMoE-VL takes one image per prompt: "
-                    "split it into one prompt per image"
-                )
-            if count and not _has_image_turn(sample):
+            # A prompt without ChatML turns is one user question (see `_turns`).
+            if IMAGE_TOKEN in sample and IM_START in sample and not _has_image_turn(sample):
                 raise ValueError(
                     f"text {index} has its {IMAGE_TOKEN} outside a user turn ({IM_START}user ... {IM_END}); render "
                     "the prompt with `processor.apply_chat_template(messages)`, whose user turn holds the image"
                 )
 
-    def __call__(self, images=None, text=None, videos=None, audio=None, return_labels: bool = False, **kwargs):
+    def __call__(
+        self,
+        images: ImageInput | None = None,
+        text: TextInput | PreTokenizedInput | list[TextInput] | list[PreTokenizedInput] | None = None,
+        **kwargs: Unpack[OmniMoeVlProcessorKwargs],
+    ) -> BatchFeature:
         r"""
         Tokenize `text` (chat-template renderings, one `<|image_pad|>` per image) and prepare `images`, one per text
         with an image. `return_labels=True` adds `labels` for training (the assistant answers only).
         """
-        return_tensors = kwargs.pop("return_tensors", None)
-        inputs = super().__call__(images=images, text=text, videos=videos, audio=audio, **kwargs)
+        return_labels = kwargs.pop("return_labels", self.return_labels)
+        inputs = super().__call__(images=images, text=text, **kwargs)
         if "input_ids" in inputs:
             special = self._turn_token_ids()
-            rows = [list(row) for row in inputs["input_ids"]]
+            rows = [np.asarray(row).tolist() for row in inputs["input_ids"]]
             inputs["prompt_mask"] = [self._prompt_mask(row, special) for row in rows]
             if return_labels:
                 inputs["labels"] = [self._labels(row, special) for row in rows]
-        return BatchFeature(dict(inputs), tensor_type=return_tensors)
+        # The masks join the other outputs in the tensor type asked for, flat or in `text_kwargs` or `common_kwargs`.
+        text_kwargs = self._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)["text_kwargs"]
+        return BatchFeature(
+            dict(inputs),
+            tensor_type=text_kwargs.get("return_tensors"),
+            skip_tensor_conversion=self.skip_tensor_conversion,
+        )
 
     def _turn_token_ids(self) -> dict:
         tokenizer = self.tokenizer
@@ -128,8 +159,13 @@ class OmniMoeVlProcessor(ChecksInputs):
 
     def _turns(self, row: list[int], special: dict):
         """(role, first content position, end position) of every `<|im_start|>role ... <|im_end|>` turn of `row`,
-        the end being the `<|im_end|>` (or the row's end for an unfinished turn, such as the generation prompt)."""
+        the end being the `<|im_end|>` (or the row's end for an unfinished turn, such as the generation prompt); a
+        row without turns is one user turn."""
         starts = [i for i, token in enumerate(row) if token == special["im_start"]]
+        if not starts:
+            # A prompt written without ChatML turns (`"<|image_pad|>what is it?"`) is one user question, as the
+            # plain prompts of transformers' image-text processors are.
+            yield "user", 0, len(row)
         for start in starts:
             end = next((i for i in range(start + 1, len(row)) if row[i] == special["im_end"]), len(row))
             role = self.tokenizer.decode(row[start + 1 : start + 2]).strip()
