@@ -13,7 +13,7 @@ from rich.markup import escape
 from safetensors import SafetensorError
 
 from . import __version__
-from .bench.timing import add_device_arguments, add_threads_argument, apply_threads
+from .bench.timing import add_device_arguments, add_threads_argument, apply_threads, describe_device
 from .terminal import VERBOSE_VARIABLE, error_console, quiet_libraries
 
 
@@ -444,7 +444,8 @@ def _add_bench(commands) -> None:
     moe_layer.add_argument("--mode", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     moe_layer.add_argument("--seconds-per-case", type=float, default=6.0, help="time budget per (tokens, mode)")
     add_threads_argument(moe_layer)
-    moe_layer.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    moe_layer.add_argument("--json", action="store_true",
+                           help="print the case, the matmul peak, the rows and the targets with their verdicts as JSON")
     moe_layer.set_defaults(run=_run_bench_moe_layer)
     moe_vie = _command(
         targets,
@@ -500,8 +501,12 @@ def _run_bench_moe_layer(args) -> int:
             on_case_done=lambda case: progress.update(task, advance=1, description=case),
             **case,
         )
+    checks = check_targets(rows, **case)
     if args.json:
-        print(json.dumps(rows_as_dicts(rows), indent=2))
+        print(json.dumps({
+            "case": {**case, "dtype": args.dtype}, "matmul_peak_gflops": peak, "rows": rows_as_dicts(rows),
+            "targets": [check.as_dict() for check in checks],
+        }, indent=2))  # fmt: skip
         return 0
     print_moe_layer_table(
         rows,
@@ -510,7 +515,7 @@ def _run_bench_moe_layer(args) -> int:
         f"{args.dtype}, {args.device}",
         device=args.device,
     )
-    print_target_checks(check_targets(rows, **case))
+    print_target_checks(checks)
     return 0
 
 
@@ -544,7 +549,7 @@ def _run_bench_moe_vie(args) -> int:
         f"({len(config.moe_layers)} MoE: {config.n_shared_experts} shared + top-{config.num_experts_per_tok} of "
         f"{config.n_routed_experts} experts of width {config.moe_intermediate_size}), {config.num_attention_heads} "
         f"heads, {grid}x{grid} = {grid * grid} tokens per image; {args.dtype}, sdpa, "
-        + (f"{torch.cuda.get_device_name()}" if args.device == "cuda" else f"CPU threads: {torch.get_num_threads()}"),
+        + describe_device(args.device),
     )
     return 0
 

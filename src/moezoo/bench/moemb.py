@@ -4,9 +4,10 @@ for text-only and image + text inputs, with every experts implementation.
 transformers' side is `Qwen3_5MoeModel` (the backbone of `Qwen3_5MoeForConditionalGeneration`, whose weights MoEMB
 loads as they are, minus `lm_head`) followed by the same pooling: the hidden state of each input's `<emb>` token,
 L2-normalised. MoEMB's overhead is its time over transformers' with the same experts implementation; the spec asks
-for at most 5%. Both run randomly initialised (fixed seed, fp32, eval mode, no autograd) on one batch built by
-`MoEmbProcessor`, timed round-robin (one forward of each per round, median over rounds) so that every ratio compares
-measurements taken under the same machine load.
+for at most 5%. Both run randomly initialised (fixed seed, fp32 unless asked otherwise, eval mode, no autograd) on
+one batch built by `MoEmbProcessor`, on the CPU or a GPU (`device="cuda"`, where moezoo's Triton kernels take the
+place of its CPU experts implementation), timed round-robin (one forward of each per round, median over rounds) so
+that every ratio compares measurements taken under the same machine load.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ from ..configuration.moemb import MOEMB_CONFIGS, TINY_MOEMB, MoEmbConfig
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 from ..terminal import console, print_table, progress_bar
-from .moe_layer import DEFAULT_IMPLEMENTATIONS, check_implementations, split_runnable
-from .timing import add_threads_argument, apply_threads, time_round_robin
+from .moe_layer import (
+    DEFAULT_IMPLEMENTATIONS,
+    check_device,
+    check_implementations,
+    default_implementations,
+    split_runnable,
+    synchronize,
+)
+from .timing import add_device_arguments, add_threads_argument, apply_threads, describe_device, time_round_robin
 
 # "cpu": the A3B proportions (3 Gated DeltaNet layers per attention layer, fine-grained experts with a shared one,
 # top-8 of many) at a width a CPU runs in tens of milliseconds.
@@ -137,6 +145,13 @@ def moemb_embeddings(model: MoEmbForEmbedding, inputs: dict, impl: str | None = 
     return model(**inputs).embeddings
 
 
+def _finished(device: str, embed: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """`embed(*args)`, finished on return (GPU kernels run asynchronously): the timed call."""
+    embeddings = embed(*args)
+    synchronize(device)
+    return embeddings
+
+
 def run_moemb_bench(
     config: MoEmbConfig,
     qwen_config: Qwen3_5MoeConfig,
@@ -149,25 +164,29 @@ def run_moemb_bench(
     max_rounds: int = 25,
     seed: int = 0,
     on_case_done: Callable[[str], None] | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> list[EmbedBenchRow]:
     """Time transformers' and MoEMB's forward with every implementation, for each kind of input."""
+    check_device(device)
     check_implementations(implementations)
     if batch_size < 1:
         raise ValueError(f"batch size must be positive, got {batch_size}")
-    backbone, moemb = build_models(config, qwen_config, seed)
+    backbone, moemb = (model.to(device, dtype) for model in build_models(config, qwen_config, seed))
     text = config.text_config
     rows = []
     for kind in kinds:
-        inputs = bench_inputs(config, kind, batch_size, text_tokens, image_size, seed)
+        # floating-point inputs (pixels) in `dtype`, token ids and masks as they are
+        inputs = bench_inputs(config, kind, batch_size, text_tokens, image_size, seed).to(device=device, dtype=dtype)
         real_tokens = int(inputs["attention_mask"].sum())
         runnable, skipped = split_runnable(implementations, real_tokens * text.num_experts_per_tok, text.hidden_size,
-                                           text.moe_intermediate_size, 4)  # fmt: skip
+                                           text.moe_intermediate_size, dtype.itemsize, device=device)  # fmt: skip
         calls, diffs = {}, {}
         for impl in runnable:
             expected = transformers_embeddings(backbone, inputs, impl)
             diffs[impl] = float((moemb_embeddings(moemb, inputs, impl) - expected).abs().max())
-            calls[("transformers", impl)] = partial(transformers_embeddings, backbone, inputs, impl)
-            calls[("moemb", impl)] = partial(moemb_embeddings, moemb, inputs, impl)
+            calls[("transformers", impl)] = partial(_finished, device, transformers_embeddings, backbone, inputs, impl)
+            calls[("moemb", impl)] = partial(_finished, device, moemb_embeddings, moemb, inputs, impl)
         ms = {name: seconds * 1e3 for name, seconds in time_round_robin(calls, seconds_per_case, max_rounds).items()}
         for impl in implementations:
             for model in ("transformers", "moemb"):
@@ -224,7 +243,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int,
                         help="square images of image+text inputs, in pixels (default: "
                              + ", ".join(f"{size} {pixels}" for size, pixels in IMAGE_SIZES.items()) + ")")
-    parser.add_argument("--impl", nargs="+", default=None, help="experts implementations to time (default: all)")
+    add_device_arguments(parser)
     parser.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per kind of input")
     add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
@@ -238,9 +257,10 @@ def run_bench(args: argparse.Namespace) -> int:
         task = progress.add_task("moemb", total=len(args.inputs))
         rows = run_moemb_bench(
             config, qwen_config, kinds=args.inputs, batch_size=args.batch_size, text_tokens=args.text_tokens,
-            image_size=args.image_size or IMAGE_SIZES[args.size], implementations=args.impl or DEFAULT_IMPLEMENTATIONS,
-            seconds_per_case=args.seconds_per_case,
-            on_case_done=lambda kind: progress.update(task, advance=1, description=kind),
+            image_size=args.image_size or IMAGE_SIZES[args.size],
+            implementations=args.impl or default_implementations(args.device), seconds_per_case=args.seconds_per_case,
+            on_case_done=lambda kind: progress.update(task, advance=1, description=kind), device=args.device,
+            dtype=getattr(torch, args.dtype),
         )  # fmt: skip
     if args.json:
         print(json.dumps([asdict(row) for row in rows], indent=2))
@@ -249,6 +269,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print_moemb_table(
         rows,
         f"MoEMB ({args.size}): width {text.hidden_size}, {text.num_hidden_layers} layers, "
-        f"top-{text.num_experts_per_tok} of {text.num_experts} experts; fp32, threads: {torch.get_num_threads()}",
+        f"top-{text.num_experts_per_tok} of {text.num_experts} experts; {args.dtype}, "
+        + describe_device(args.device),
     )
     return 0

@@ -1,6 +1,7 @@
 """Round-robin timing, shared by the benchmarks: one call of each contender per round and the median over rounds,
 so that the drift of a shared, noisy machine hits all of them alike; the size of the CPU's last-level cache; the
-`--threads` option they all take, and the device, dtype and experts implementation options of the MoE benchmarks."""
+`--threads` option they all take, and the device, dtype and experts implementation options of the MoE benchmarks
+with the line that names the device in their titles."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--impl", nargs="+", default=None,
                         help="experts implementations to time (default: all that run on the device)")
+
+
+def describe_device(device: str) -> str:
+    """What a benchmark's title says it ran on: the GPU's name, or the CPU threads torch computes with."""
+    return torch.cuda.get_device_name() if device == "cuda" else f"CPU threads: {torch.get_num_threads()}"
 
 
 def apply_threads(args: argparse.Namespace) -> None:
