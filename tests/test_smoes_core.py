@@ -357,3 +357,48 @@ def test_layer_state_buffers_stay_float32_in_a_bfloat16_model():
         "gauss_mean": torch.float32, "gauss_var": torch.float32, "gauss_initialized": torch.bool,
         "expert_counts_ema": torch.float32, "bins": torch.int64,
     }
+
+
+# --- the regulariser does what it is for --------------------------------------------------------------------------------
+
+
+def _train_synthetic_router(mi_coef: float, steps: int = 200) -> tuple[float, float]:
+    """A standalone router on two Gaussian token clusters (75 % vision, two text-only samples per batch of 16 x 32),
+    trained with 0.01 * L_bal + mi_coef * L_MI, Gaussian scores and adaptive bins (spec §8.8). Returns the MSI and the
+    hard-label inter-bin MI of a fresh batch."""
+    generator = torch.Generator().manual_seed(0)
+    hidden_size, num_experts = 32, 8
+    cluster_means = torch.randn(2, hidden_size, generator=generator) * 0.5
+    router = torch.nn.Parameter(torch.randn(num_experts, hidden_size, generator=generator) * 0.02)
+    optimizer = torch.optim.Adam([router], lr=1e-2)
+    state = SmoesLayerState(hidden_size, num_experts, num_bins=2)
+    step = torch.zeros((), dtype=torch.long)
+    config = type("Config", (_Config,), {"smoes_mi_coef": mi_coef, "smoes_ema_beta": 0.99})
+
+    def batch():
+        modality = (torch.rand(16, 32, generator=generator) < 0.75).long()
+        modality[:2] = TEXT
+        return modality, cluster_means[modality] + torch.randn(16, 32, hidden_size, generator=generator)
+
+    valid = torch.ones(16, 32, dtype=torch.bool)
+    for _ in range(steps):
+        modality, tokens = batch()
+        runtime = _started_runtime([state], modality, valid, tokens)
+        losses = apply_smoes(config, [state], runtime, [tokens.reshape(-1, hidden_size) @ router.T], step)
+        optimizer.zero_grad()
+        losses.loss.backward()
+        optimizer.step()
+    modality, tokens = batch()
+    with torch.no_grad():
+        gates = torch.softmax(tokens @ router.T, dim=-1)
+        index = modality_specialisation_index(gates.topk(2).indices, modality, valid, num_experts)
+        hard_information = inter_bin_mutual_information(gates, one_hot_scores(modality), state.bins, 2, valid)
+    return index, hard_information.mean().item()
+
+
+def test_mutual_information_drives_bins_to_specialise_by_modality():
+    """Measured: MSI 0.34 -> 0.93 and hard-label MI 0.0003 -> 0.45 nats when alpha_MI goes from 0 to 0.1."""
+    index_without, information_without = _train_synthetic_router(mi_coef=0.0)
+    index_with, information_with = _train_synthetic_router(mi_coef=0.1)
+    assert index_with >= max(0.85, index_without + 0.3)
+    assert information_without < 0.01 and information_with >= 0.4
