@@ -39,6 +39,9 @@ class Architecture:
     tags: tuple[str, ...] = ()
     # Sub-config model_types that must be registered with AutoConfig too (vision/text towers).
     sub_configs: Mapping[str, str] = field(default_factory=dict)
+    # The AutoModel class of a sub-config whose model serves alone, as transformers maps `glm_ocr_text` to
+    # GlmOcrTextModel: sub-config model_type -> "module:Class".
+    sub_models: Mapping[str, str] = field(default_factory=dict)
     # The submodules the paper's parameter counts cover, if not the whole model (MoE-ViE counts its vision tower
     # with its projection).
     paper_counted_modules: tuple[str, ...] = ()
@@ -55,6 +58,19 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class ParameterClaim:
+    """The parameter counts a paper states for a preset's model, where they differ from the counts of the model built
+    from the paper's stated configuration: `moezoo list` prints them beside the counted totals, with the counts of
+    `parts`, the readings that come closest to the claim."""
+
+    total: int
+    active: int
+    source: str  # where the paper states it: "Table 2"
+    # label -> the submodules counted together, e.g. {"language model": ("model.language_model", "lm_head")}
+    parts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     architecture: str
@@ -64,6 +80,7 @@ class Preset:
     converter: str | None = None  # name of the Converter that produces it
     license: str | None = None  # inherited from the base checkpoint
     variant: str | None = None  # converter variant, when the architecture has several designs
+    paper_claim: ParameterClaim | None = None  # the paper's own count, when the counted one differs
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,8 @@ def register_auto_classes(architecture: Architecture) -> None:
     _register_config(AutoConfig, architecture.name, config_class)
     for model_type, sub_config_path in architecture.sub_configs.items():
         _register_config(AutoConfig, model_type, resolve(sub_config_path))
+    for model_type, class_path in architecture.sub_models.items():
+        transformers.AutoModel.register(resolve(architecture.sub_configs[model_type]), resolve(class_path), exist_ok=True)
     for auto_name, class_path in architecture.models.items():
         getattr(transformers, auto_name).register(config_class, resolve(class_path), exist_ok=True)
     if architecture.processor:

@@ -14,6 +14,13 @@ from .registry import PRESETS, Preset, get_architecture, get_preset, resolve
 
 
 @dataclass(frozen=True)
+class PartCount:
+    part: str  # a label of ParameterClaim.parts
+    total: int
+    active: int
+
+
+@dataclass(frozen=True)
 class PresetSummary:
     name: str
     architecture: str
@@ -26,37 +33,74 @@ class PresetSummary:
     paper_counted_modules: tuple[str, ...] = ()
     paper_total_parameters: int | None = None
     paper_active_parameters: int | None = None
+    # The paper's own counts where the counted ones differ (registry.ParameterClaim), and the counts of its parts.
+    claimed_total_parameters: int | None = None
+    claimed_active_parameters: int | None = None
+    claim_source: str | None = None
+    claim_parts: tuple[PartCount, ...] = ()
 
     def as_dict(self) -> dict:
         return self.__dict__ | {"base_checkpoints": list(self.base_checkpoints),
-                                "paper_counted_modules": list(self.paper_counted_modules)}
+                                "paper_counted_modules": list(self.paper_counted_modules),
+                                "claim_parts": [part.__dict__ for part in self.claim_parts]}
+
+    def claim_reconciliation(self) -> str | None:
+        """The paper's claim beside the counted totals and the counts of its parts, in one line (None without one)."""
+        if self.claimed_total_parameters is None:
+            return None
+        parts = "; ".join(f"{part.part} {human_count(part.total)} / {human_count(part.active)}"
+                          for part in self.claim_parts)  # fmt: skip
+        return (
+            f"{self.name}: the paper states {human_count(self.claimed_total_parameters)} total / "
+            f"{human_count(self.claimed_active_parameters)} active ({self.claim_source}); counted here "
+            f"{human_count(self.total_parameters)} / {human_count(self.active_parameters)}. By part (total / active): "
+            f"{parts}"
+        )
+
+
+def human_count(count: int) -> str:
+    """A parameter count as people write it: 31.3B, 512M, 70.7K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return str(count)
 
 
 def build_config(preset: Preset):
     return get_architecture(preset.architecture).config_class()(**preset.config)
 
 
-def preset_parameters(preset: Preset) -> tuple[ParameterCounts, ParameterCounts | None]:
-    """Counted from the model built on the meta device (no memory, no weights, exact shapes): the whole model, and
-    the part the paper counts if the architecture names one."""
+def preset_parameters(preset: Preset) -> tuple[ParameterCounts, ParameterCounts | None, dict[str, ParameterCounts]]:
+    """Counted from the model built on the meta device (no memory, no weights, exact shapes): the whole model, the
+    part the paper counts if the architecture names one, and the parts of the preset's `paper_claim`, by label."""
     architecture = get_architecture(preset.architecture)
     with torch.device("meta"):
         model = architecture.model_class()(build_config(preset))
-    parts = [count_parameters(model.get_submodule(name)) for name in architecture.paper_counted_modules]
-    paper_counts = ParameterCounts(sum(p.total for p in parts), sum(p.active for p in parts)) if parts else None
-    return count_parameters(model), paper_counts
+    paper_counts = _count_modules(model, architecture.paper_counted_modules)
+    claim_parts = preset.paper_claim.parts if preset.paper_claim else {}
+    part_counts = {label: _count_modules(model, names) for label, names in claim_parts.items()}
+    return count_parameters(model), paper_counts, part_counts
+
+
+def _count_modules(model, names: tuple[str, ...]) -> ParameterCounts | None:
+    """The counts of the submodules `names` together, None for none."""
+    parts = [count_parameters(model.get_submodule(name)) for name in names]
+    return ParameterCounts(sum(p.total for p in parts), sum(p.active for p in parts)) if parts else None
 
 
 def list_presets() -> list[PresetSummary]:
     summaries = []
     for preset in PRESETS.values():
-        counts, paper_counts = preset_parameters(preset)
+        counts, paper_counts, part_counts = preset_parameters(preset)
+        claim = preset.paper_claim
         summaries.append(
             PresetSummary(
                 preset.name, preset.architecture, counts.total, counts.active, preset.base_checkpoints,
                 preset.converter, preset.description,
                 get_architecture(preset.architecture).paper_counted_modules,
                 paper_counts.total if paper_counts else None, paper_counts.active if paper_counts else None,
+                claim.total if claim else None, claim.active if claim else None, claim.source if claim else None,
+                tuple(PartCount(label, part.total, part.active) for label, part in part_counts.items()),
             )
         )
     return summaries
