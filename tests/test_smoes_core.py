@@ -342,6 +342,26 @@ def test_apply_smoes_takes_the_router_rows_of_valid_tokens_only():
                     torch.zeros((), dtype=torch.long))
 
 
+def test_apply_smoes_on_a_sigmoid_router_with_its_own_selection():
+    """Sigmoid routers (MoE-ViE): the gates are the affinities normalised over experts, and the selection is the one
+    the router made (with its balancing bias), handed over as top_k_indices."""
+    torch.manual_seed(2)
+    states = [SmoesLayerState(4, 8, num_bins=2)]
+    modality = torch.tensor([[0, 1, 1, 0, 1, 0]])
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    logits = torch.randn(6, 8)
+    selection = torch.randint(0, 8, (6, 2))
+    losses = apply_smoes(_Config, states, _started_runtime(states, modality, valid, torch.randn(1, 6, 4)), [logits],
+                         torch.zeros((), dtype=torch.long), top_k_indices=[selection], router_type="sigmoid")
+    affinities = torch.sigmoid(logits)
+    gates = (affinities / affinities.sum(-1, keepdim=True)).view(1, 6, 8)
+    bins = contiguous_bins(8, 2)
+    expected = bin_balance_loss(gates, selection.view(1, 6, 2), bins, 2, valid)
+    torch.testing.assert_close(losses.balance_loss, expected)
+    counts = soft_dispatch_counts(selection.view(1, 6, 2), one_hot_scores(modality), valid, 8)
+    torch.testing.assert_close(states[0].expert_counts_ema, 0.5 * counts)
+
+
 def test_apply_smoes_refuses_layers_that_recorded_nothing():
     states = [SmoesLayerState(4, 8, num_bins=2) for _ in range(2)]
     runtime = SmoesRuntime("hard", 2.0, 1e-5)

@@ -158,15 +158,18 @@ class SmoesRuntime:
         self._layer_input = self._mixed_scores = None
 
     def stop(self) -> None:
+        """End the forward: forget its tokens and what its layers recorded; inactive until the next `start()`."""
         self.modality = self.valid = self.attention_scores = self._layer_input = self._mixed_scores = None
         self.layer_scores, self.layer_moments = {}, {}
 
     @property
     def recording(self) -> bool:
+        """Whether the layers record now: inside a training forward, and not in gradient checkpointing's re-run."""
         return self.modality is not None and not is_recomputing()
 
     @property
     def tracks_attention(self) -> bool:
+        """Whether the decoder and attention layers advance the attention estimator now."""
         return self.recording and self.score_type == "attention"
 
     def enter_layer(self, hidden_states: torch.Tensor) -> None:
