@@ -31,7 +31,8 @@ SwiGLU in fp32 the activation is one native pass over all pairs (silu, times up,
 derivative (which also yields the routing-weight gradients), instead of three and six PyTorch passes. Without a C
 compiler the PyTorch path above serves every call.
 
-Everything this implementation does not cover (other devices, expert parallelism, post-expert norms,
+CUDA tensors go to moezoo's Triton experts (`moezoo_triton`, `triton_experts.py`) when triton is installed.
+Everything else this implementation does not cover (other devices, expert parallelism, post-expert norms,
 torch.compile tracing) is handed to transformers' `grouped_mm` implementation (`batched_mm` for weights `grouped_mm`
 cannot take: `transformers_experts_forward`).
 """
@@ -50,7 +51,7 @@ from transformers.integrations.moe import (
     batched_mm_experts_forward,
     grouped_mm_experts_forward,
 )
-from transformers.utils.import_utils import is_torchdynamo_compiling
+from transformers.utils.import_utils import is_torchdynamo_compiling, is_triton_available
 
 from .native import native_library
 
@@ -581,8 +582,29 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# The devices whose calls `moezoo` hands to moezoo's Triton experts (`moezoo_triton`) when triton is installed.
+TRITON_DEVICE_TYPES = ("cuda",)
+
+
+def hands_to_triton(device: torch.device) -> bool:
+    """Whether `moezoo` runs a call on `device` with moezoo's Triton experts: the default implementation of moezoo's
+    models is resolved here, at the call, because a model is built on the meta device and moved afterwards."""
+    return device.type in TRITON_DEVICE_TYPES and is_triton_available()
+
+
 def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
-    """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
+    """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`.
+    CUDA tensors go to `moezoo_triton` when triton is installed, see `experts_forward_without_triton` for the rest."""
+    if hands_to_triton(hidden_states.device):
+        from .triton_experts import triton_experts_forward  # which imports this module
+
+        return triton_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    return experts_forward_without_triton(module, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_forward_without_triton(module, hidden_states, top_k_index, top_k_weights):
+    """The CPU implementation above for CPU tensors, transformers' `grouped_mm` (or `batched_mm`) for other devices and
+    what the CPU implementation does not cover."""
     if hidden_states.device.type != "cpu" or handed_to_grouped_mm(module):
         return transformers_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)

@@ -18,8 +18,10 @@ class MoePreTrainedMixin:
         return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Default to moezoo's implementation, the fastest measured on CPU (it hands other devices to
-        grouped_mm); an explicit request is honoured as usual."""
+        """Default to moezoo's implementation, the fastest measured on CPU, which hands CUDA tensors to moezoo's
+        Triton experts (`moezoo_triton`) when triton is installed and other devices to grouped_mm: the device is
+        known only when the experts are called (models are built on the meta device and moved afterwards). An
+        explicit request is honoured as usual."""
         return super().get_correct_experts_implementation(requested_experts or SORTED_EXPERTS_IMPLEMENTATION)
 
 
