@@ -274,7 +274,7 @@ def test_a_mistake_ends_in_one_error_line(case, inputs, tmp_path, monkeypatch, c
 def test_route_selector_offline_names_its_encoder_and_how_to_give_it(tmp_path, monkeypatch):
     from moezoo.configuration.mote import TINY_GLM_OCR_MOTE, GlmOcrMoteConfig
     from moezoo.hub.sources import HubUnreachableError
-    from moezoo.modeling.mote_route_selector import MoteRouteSelector
+    from moezoo.modeling.mote.route_selector import MoteRouteSelector
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

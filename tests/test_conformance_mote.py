@@ -19,15 +19,9 @@ import pytest
 import torch
 
 from moezoo.configuration.mote import GlmOcrMoteConfig, GlmOcrMoteTextConfig, LlamaMoteConfig, VideoLlmMoteConfig
-from moezoo.modeling.mote import (
-    GlmOcrMoteForConditionalGeneration,
-    GlmOcrMoteModel,
-    GlmOcrMoteTextModel,
-    LlamaMoteForCausalLM,
-    LlamaMoteModel,
-    VideoLlmMoteForConditionalGeneration,
-    VideoLlmMoteModel,
-)
+from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration, GlmOcrMoteModel, GlmOcrMoteTextModel
+from moezoo.modeling.mote.llama import LlamaMoteForCausalLM, LlamaMoteModel
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration, VideoLlmMoteModel
 from transformers_tests.generation.test_utils import GenerationTesterMixin
 from transformers_tests.test_configuration_common import ConfigTester
 from transformers_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor

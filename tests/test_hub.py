@@ -16,6 +16,8 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 
+from moezoo.hub.flatten import FlattenError, flatten_modules
+
 from conftest import TESTS, TOY_ENV, free_port, run_moezoo, run_python, run_two_processes
 
 
@@ -54,6 +56,40 @@ def test_exported_folder_is_flat_and_complete(toy_folders):
     assert processor_config["auto_map"] == {"AutoProcessor": "processing_toy.ToyMoeProcessor"}
     assert processor_config["image_processor"]["auto_map"] == {
         "AutoImageProcessor": "processing_toy.ToyMoeImageProcessor"}
+
+
+def test_a_package_flattens_module_by_module_and_its_init_is_never_imported_from(tmp_path, monkeypatch):
+    """A family whose modeling code is a package (as `moezoo.modeling.mote`): each module becomes one flat file named
+    after its dotted path, its imports within the package and up to its parent become flat ones, and no package
+    `__init__` is copied, so importing names from one is refused by name rather than lost in the flat folder."""
+    sources = {
+        "zoo_pkg/__init__.py": "SHARED = 1\n",
+        "zoo_pkg/core.py": "def helper():\n    return 2\n",
+        "zoo_pkg/family/__init__.py": '"""One model family, one module per member."""\n',
+        "zoo_pkg/family/common.py": "from ..core import helper\n\nBASE = helper()\n",
+        "zoo_pkg/family/member.py": "from .common import BASE\n\nVALUE = BASE + 1\n",
+        "zoo_pkg/family/from_init.py": "from .. import SHARED\n",
+    }
+    for name, source in sources.items():
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_text(source)
+    monkeypatch.syspath_prepend(tmp_path / "src")
+    flat = tmp_path / "flat_family"
+
+    names = flatten_modules(["zoo_pkg.family.member"], flat)
+    assert names == {"zoo_pkg.family.member": "family_member", "zoo_pkg.family.common": "family_common",
+                     "zoo_pkg.core": "core"}
+    assert sorted(path.name for path in flat.iterdir()) == ["core.py", "family_common.py", "family_member.py"]
+    assert (flat / "family_member.py").read_text().startswith("from .family_common import BASE\n")
+    assert (flat / "family_common.py").read_text().startswith("from .core import helper\n")
+    run_python(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from flat_family.family_member import VALUE
+        assert VALUE == 3, VALUE
+    """)
+    with pytest.raises(FlattenError, match="zoo_pkg is a package: .* not from a package's __init__"):
+        flatten_modules(["zoo_pkg.family.from_init"], tmp_path / "refused")
 
 
 def test_fresh_process_without_moezoo_loads_every_auto_class(toy_folders):

@@ -30,7 +30,8 @@ from moezoo.conversion.mote_common import GLM_FFN, LLAMA_FFN, build_experts, par
 from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote, synthetic_video_inputs
 from moezoo.hub.folders import read_provenance
-from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration, LlamaMoteForCausalLM
+from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
+from moezoo.modeling.mote.llama import LlamaMoteForCausalLM
 from moezoo.processors.build_mote import build_tiny_glm_ocr_tokenizer
 from moezoo.processors.mote import GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from moezoo.registry import architectures_named

@@ -10,7 +10,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from moezoo.configuration.mote import TINY_LLAMA_MOTE, LlamaMoteConfig
-from moezoo.modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
+from moezoo.modeling.mote.llama import LlamaMoteForCausalLM
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from moezoo.processors.mote import VideoLlmMoteProcessor
 from moezoo.zoo import create_from_preset
 from test_mote_model import routes, token_batch

@@ -42,13 +42,10 @@ from moezoo.hub.export import export_folder
 from moezoo.hub.flatten import flatten_modules
 from moezoo.modeling.moe.accounting import count_parameters
 from moezoo.modeling.moe.router import TopKRouter
-from moezoo.modeling.mote import (
-    GlmOcrMoteForConditionalGeneration,
-    LlamaMoteDecoderLayer,
-    LlamaMoteForCausalLM,
-    MoteFeedForward,
-    VideoLlmMoteForConditionalGeneration,
-)
+from moezoo.modeling.mote.common import MoteFeedForward
+from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
+from moezoo.modeling.mote.llama import LlamaMoteDecoderLayer, LlamaMoteForCausalLM
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from moezoo.zoo import create_from_preset
 
 
@@ -313,7 +310,7 @@ def test_videollm_placeholders_without_frames_are_named_and_frames_need_their_re
     frames = ("pixel_values_videos", "video_num_frames")
     without_frames = {key: value for key, value in inputs.items() if key not in frames}
     # A warning, not an error: transformers' common tests run text-only forwards over placeholder ids.
-    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote"):
+    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote.common"):
         model(**without_frames, task_ids=routes(0, 0))
     assert re.search("40 video placeholders .* but no frames were given: .* pass the processor's pixel_values_videos",
                      caplog.text)
@@ -328,7 +325,7 @@ def test_glm_ocr_image_placeholders_without_their_image_are_named(glm, caplog):
     _, model = glm
     inputs = synthetic_inputs(model.config)
     without_image = {key: value for key, value in inputs.items() if key not in ("pixel_values", "image_grid_thw")}
-    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote"):
+    with caplog.at_level(logging.WARNING, logger="moezoo.modeling.mote.common"):
         model(**without_image)
     assert re.search("8 image placeholders .* but no image was given: .* pass the processor's pixel_values",
                      caplog.text)
@@ -732,25 +729,28 @@ def test_the_card_says_what_the_construction_gives_right_after_conversion(constr
 
 
 def test_flattened_code_saves_and_loads_with_trust_remote_code_without_moezoo(tmp_path):
-    flatten_modules(["moezoo.configuration.mote", "moezoo.modeling.mote"], tmp_path / "mote_hub")
+    families = ["llama", "glm_ocr", "video_llm"]
+    flatten_modules(["moezoo.configuration.mote", *(f"moezoo.modeling.mote.{family}" for family in families)],
+                    tmp_path / "mote_hub")
     (tmp_path / "mote_hub" / "__init__.py").write_text("")
     models = {
         "llama": ("LlamaMoteConfig", "LlamaMoteForCausalLM", "TINY_LLAMA_MOTE", "AutoModelForCausalLM"),
-        "glm": ("GlmOcrMoteConfig", "GlmOcrMoteForConditionalGeneration", "TINY_GLM_OCR_MOTE",
-                "AutoModelForImageTextToText"),
-        "video": ("VideoLlmMoteConfig", "VideoLlmMoteForConditionalGeneration", "TINY_VIDEOLLM_MOTE",
-                  "AutoModelForImageTextToText"),
+        "glm_ocr": ("GlmOcrMoteConfig", "GlmOcrMoteForConditionalGeneration", "TINY_GLM_OCR_MOTE",
+                    "AutoModelForImageTextToText"),
+        "video_llm": ("VideoLlmMoteConfig", "VideoLlmMoteForConditionalGeneration", "TINY_VIDEOLLM_MOTE",
+                      "AutoModelForImageTextToText"),
     }
     # Saved from the flat package, loaded through transformers' remote code (which imports the copies in the saved
     # folder, not the package), with moezoo unimportable throughout.
     run_python(f"""
-        import sys, torch, transformers
+        import importlib, sys, torch, transformers
         from safetensors.torch import load_file
         sys.path.insert(0, {str(tmp_path)!r})
-        from mote_hub import configuration_mote, modeling_mote
+        from mote_hub import configuration_mote
         for name, (config_name, model_name, fields, auto) in {models!r}.items():
             path = {str(tmp_path)!r} + "/" + name
-            config_class, model_class = getattr(configuration_mote, config_name), getattr(modeling_mote, model_name)
+            modeling = importlib.import_module("mote_hub.modeling_mote_" + name)
+            config_class, model_class = getattr(configuration_mote, config_name), getattr(modeling, model_name)
             config_class.register_for_auto_class()
             model_class.register_for_auto_class(auto)
             torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 from moezoo.configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, TINY_LLAMA_MOTE, TINY_VIDEOLLM_MOTE
 from moezoo.configuration.mote import LlamaMoteConfig, VideoLlmMoteConfig
-from moezoo.modeling.mote_route_selector import MoteRouteSelector
+from moezoo.modeling.mote.route_selector import MoteRouteSelector
 from moezoo.processors.build_mote import make_videollm_mote_processor
 from moezoo.processors.mote import task_prompt
 

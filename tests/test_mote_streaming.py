@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moezoo.configuration.mote import TINY_VIDEOLLM_MOTE, VideoLlmMoteConfig
-from moezoo.modeling.mote import VideoLlmMoteForConditionalGeneration
-from moezoo.modeling.mote_streaming import VideoLlmMoteStream
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
+from moezoo.modeling.mote.streaming import VideoLlmMoteStream
 from moezoo.processors.build_mote import make_videollm_mote_processor
 from moezoo.training.mote import MoteCollator
 

@@ -35,7 +35,8 @@ from moezoo.configuration.mote import (
 )
 from moezoo.conversion.mote_glm_ocr import convert_glm_ocr_to_mote, synthetic_inputs
 from moezoo.conversion.mote_llama import convert_llama_to_mote
-from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
+from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from moezoo.processors.build_mote import (
     build_word_level_tokenizer,
     make_glm_ocr_mote_processor,

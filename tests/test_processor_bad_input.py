@@ -15,7 +15,7 @@ from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.mote import TINY_GLM_OCR_MOTE, TINY_VIDEOLLM_MOTE, GlmOcrMoteConfig, VideoLlmMoteConfig
 from moezoo.modeling.moe_vie import MoeVieModel
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.modeling.mote import GlmOcrMoteForConditionalGeneration
+from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
 from moezoo.processors.build import make_moe_vie_processor
 from moezoo.processors.build_moemb import make_moemb_processor
 from moezoo.processors.build_mote import make_glm_ocr_mote_processor, make_videollm_mote_processor

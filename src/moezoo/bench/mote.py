@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..configuration.mote import LLAMA_3_2_1B_INSTRUCT, TINY_LLAMA, LlamaMoteConfig
 from ..modeling.moe.accounting import count_parameters
-from ..modeling.mote import LlamaMoteForCausalLM
+from ..modeling.mote.llama import LlamaMoteForCausalLM
 from ..terminal import console, print_table, progress_bar
 from .timing import add_threads_argument, apply_threads, time_round_robin
 

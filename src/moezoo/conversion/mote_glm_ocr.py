@@ -17,7 +17,7 @@ from transformers import GlmOcrForConditionalGeneration, GlmOcrTextConfig
 
 from ..configuration.mote import GlmOcrMoteConfig
 from ..hub.sources import source_name
-from ..modeling.mote import GlmOcrMoteForConditionalGeneration
+from ..modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult

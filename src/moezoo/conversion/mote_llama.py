@@ -21,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, Sigl
 
 from ..configuration.mote import COIN_EXPERTS, LlamaMoteConfig, VideoLlmMoteConfig
 from ..hub.sources import locate, source_name
-from ..modeling.mote import LlamaMoteForCausalLM, VideoLlmMoteForConditionalGeneration
+from ..modeling.mote.llama import LlamaMoteForCausalLM
+from ..modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult, load_safetensors, option_name

@@ -13,7 +13,10 @@ from ..configuration.mote import (
 from ..registry import Architecture, Converter, Preset
 
 
-MODELING = "moezoo.modeling.mote"
+# The modeling module of each family.
+VIDEO_LLM_MODELING = "moezoo.modeling.mote.video_llm"
+GLM_OCR_MODELING = "moezoo.modeling.mote.glm_ocr"
+LLAMA_MODELING = "moezoo.modeling.mote.llama"
 PROCESSING = "moezoo.processors.mote"
 BUILD = "moezoo.processors.build_mote"
 # The Auto classes of the vision-language members (spec §2.8): AutoModelForMultimodalLM too, where transformers has it.
@@ -28,8 +31,8 @@ ARCHITECTURES = [
         family="mote",
         config="moezoo.configuration.mote:VideoLlmMoteConfig",
         models={
-            **dict.fromkeys(VLM_AUTO_CLASSES, f"{MODELING}:VideoLlmMoteForConditionalGeneration"),
-            "AutoModel": f"{MODELING}:VideoLlmMoteModel",
+            **dict.fromkeys(VLM_AUTO_CLASSES, f"{VIDEO_LLM_MODELING}:VideoLlmMoteForConditionalGeneration"),
+            "AutoModel": f"{VIDEO_LLM_MODELING}:VideoLlmMoteModel",
         },
         processor=f"{PROCESSING}:VideoLlmMoteProcessor",
         processor_parts={"AutoImageProcessor": f"{PROCESSING}:VideoLlmMoteFrameProcessor"},
@@ -47,8 +50,8 @@ ARCHITECTURES = [
         family="mote",
         config="moezoo.configuration.mote:GlmOcrMoteConfig",
         models={
-            **dict.fromkeys(VLM_AUTO_CLASSES, f"{MODELING}:GlmOcrMoteForConditionalGeneration"),
-            "AutoModel": f"{MODELING}:GlmOcrMoteModel",
+            **dict.fromkeys(VLM_AUTO_CLASSES, f"{GLM_OCR_MODELING}:GlmOcrMoteForConditionalGeneration"),
+            "AutoModel": f"{GLM_OCR_MODELING}:GlmOcrMoteModel",
         },
         processor=f"{PROCESSING}:GlmOcrMoteProcessor",
         make_processor=f"{BUILD}:make_glm_ocr_mote_processor",
@@ -64,8 +67,8 @@ ARCHITECTURES = [
         family="mote",
         config="moezoo.configuration.mote:LlamaMoteConfig",
         models={
-            "AutoModelForCausalLM": f"{MODELING}:LlamaMoteForCausalLM",
-            "AutoModel": f"{MODELING}:LlamaMoteModel",
+            "AutoModelForCausalLM": f"{LLAMA_MODELING}:LlamaMoteForCausalLM",
+            "AutoModel": f"{LLAMA_MODELING}:LlamaMoteModel",
         },
         tokenizer="transformers:AutoTokenizer",
         make_processor=f"{BUILD}:make_llama_mote_tokenizer",

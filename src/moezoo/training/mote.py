@@ -44,7 +44,8 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trai
 from .. import __version__
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import MODEL_FILES, locate, model_folder
-from ..modeling.mote import GlmOcrMoteForConditionalGeneration, VideoLlmMoteForConditionalGeneration
+from ..modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
+from ..modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
 from .arguments import (

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from ..hub.sources import MODEL_FILES, locate, source_name
+from ...hub.sources import MODEL_FILES, locate, source_name
 
 
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .mote import VideoLlmMoteForConditionalGeneration
+from .video_llm import VideoLlmMoteForConditionalGeneration
 
 
 class VideoLlmMoteStream:
