@@ -153,7 +153,8 @@ def test_buffers_change_only_in_training_forwards(base, inputs):
         assert state.expert_counts_ema.sum().item() == pytest.approx((1 - 0.99) * 2 * int(inputs["attention_mask"].sum()))
 
 
-def test_attention_scores_start_from_the_hard_labels_and_are_carried_through_linear_attention(base, inputs, monkeypatch):
+def recorded_scores(model, inputs, monkeypatch) -> dict[int, torch.Tensor]:
+    """The (B, T, 2) scores each MoE layer's router saw in one training forward, by layer."""
     recorded = {}
 
     def keep_scores(config, states, runtime, *args, **kwargs):
@@ -162,8 +163,13 @@ def test_attention_scores_start_from_the_hard_labels_and_are_carried_through_lin
 
     apply_smoes = smoes_qwen3_5_moe.apply_smoes
     monkeypatch.setattr(smoes_qwen3_5_moe, "apply_smoes", keep_scores)
-    model = smoes_from(base, smoes_score_type="attention").train()
-    model(**inputs, labels=inputs["input_ids"])
+    model.train()(**inputs)
+    monkeypatch.undo()
+    return recorded
+
+
+def test_attention_scores_start_from_the_hard_labels_and_are_carried_through_linear_attention(base, inputs, monkeypatch):
+    recorded = recorded_scores(smoes_from(base, smoes_score_type="attention"), inputs, monkeypatch)
     valid = inputs["attention_mask"].bool()
     hard = one_hot_scores((inputs["mm_token_type_ids"] > 0).long())
     assert not any(scores.requires_grad for scores in recorded.values())
@@ -176,6 +182,25 @@ def test_attention_scores_start_from_the_hard_labels_and_are_carried_through_lin
     assert recorded[3][image_tokens][:, VISION].mean() < recorded[1][image_tokens][:, VISION].mean() < 1.0
     # Causal attention: the text before the image never sees it.
     assert torch.equal(recorded[3][0, :4, VISION], torch.zeros(4))
+
+
+def test_gaussian_scores_are_the_hard_labels_until_the_first_update(base, inputs, monkeypatch):
+    model = smoes_from(base, smoes_score_type="gaussian")
+    valid = inputs["attention_mask"].bool()
+    hard = one_hot_scores((inputs["mm_token_type_ids"] > 0).long())
+    first = recorded_scores(model, inputs, monkeypatch)
+    assert all(torch.equal(scores[valid], hard[valid]) for scores in first.values())
+    second = recorded_scores(model, inputs, monkeypatch)
+    for scores in second.values():
+        assert not torch.equal(scores[valid], hard[valid]) and not scores.requires_grad
+        torch.testing.assert_close(scores[valid].sum(-1), torch.ones(int(valid.sum())))
+
+
+def test_text_only_sequences_keep_no_vision_score(base, monkeypatch):
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 2, 1, 8, 7]])
+    model = smoes_from(base, smoes_score_type="attention")
+    recorded = recorded_scores(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)), monkeypatch)
+    assert all(torch.equal(scores[..., VISION], torch.zeros(2, 6)) for scores in recorded.values())
 
 
 def test_mi_loss_alone_trains_every_router_and_nothing_else_of_smoes(base, inputs):
