@@ -13,7 +13,7 @@ from transformers.integrations.moe import use_experts_implementation
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from moezoo.kernels import sorted_experts, triton_backward_kernels, triton_kernels
-from moezoo.kernels.triton_experts import kernel_activation
+from moezoo.kernels.triton_experts import _device_reason, kernel_activation
 from moezoo.modeling.moe import GeluExperts, MoeLayerSpec, SwiGLUExperts
 
 
@@ -267,6 +267,18 @@ def test_moezoo_hands_cuda_tensors_to_triton(kernel_calls, monkeypatch):
     assert kernel_calls == [(9, 48)]
     assert sorted_experts.hands_to_triton(torch.device("cuda")) and not sorted_experts.hands_to_triton(
         torch.device("mps"))
+
+
+def test_devices_triton_does_not_compile_for_are_named(monkeypatch):
+    """Triton compiles for NVIDIA GPUs of compute capability 8.0 and later; on the CPU it runs only interpreted."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 5))
+    assert _device_reason(torch.device("cuda", 0)) == "GPUs of compute capability below 8.0"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert _device_reason(torch.device("cuda", 0)) is None
+    assert _device_reason(torch.device("mps")) == "mps tensors"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _device_reason(torch.device("cpu")) == "CPU tensors outside TRITON_INTERPRET=1"
 
 
 def test_on_a_transformers_model(kernel_calls):

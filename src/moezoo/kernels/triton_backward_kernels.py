@@ -125,7 +125,7 @@ def _weight_grad_kernel(
     """Kernel 2 above: grad_w[e] (out, in) = sum over expert e's pairs p of left[p]^T right[p], and with HAS_BIAS
     grad_bias[e] = sum_p left[p]. A pair's row of `left` / `right` is the pair's own (rows sorted by expert) or its
     token's (BY_TOKEN); with LEFT_WEIGHTED it is scaled by the pair's routing weight. Experts without pairs get 0."""
-    expert = tl.program_id(2)
+    expert = tl.program_id(2).to(tl.int64)
     outs = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     ins = tl.program_id(1) * BLOCK_IN + tl.arange(0, BLOCK_IN)
     out_mask, in_mask = outs < num_out, ins < num_in

@@ -126,6 +126,9 @@ def check_expert_index(top_k_index: torch.Tensor, num_experts: int) -> None:
 
 
 class _TritonExperts(torch.autograd.Function):
+    """The experts' forward pass on the Triton kernels, keeping the pre-activation projection and the sorted pairs for
+    a backward pass on the Triton kernels too (see the module docstring)."""
+
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias, module,
                 layout):
@@ -149,7 +152,7 @@ class _TritonExperts(torch.autograd.Function):
         (hidden_states, top_k_index, top_k_weights, pair_slot, pair_token, offsets, projected, up_weight, up_bias,
          down_weight, down_bias) = ctx.saved_tensors
         inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # autograd records this pass (gradients of gradients): transformers' is recorded
             return (*_gradients_with_graph(ctx.module, grad_output, inputs, ctx.needs_input_grad[:7]), None, None)
         need_x, _, need_weights, need_up_w, need_up_b, need_down_w, need_down_b, _, _ = ctx.needs_input_grad
         if projected.numel() == 0:  # no tokens, or k = 0
@@ -172,7 +175,8 @@ class _TritonExperts(torch.autograd.Function):
 
 
 def triton_experts_forward(module, hidden_states, top_k_index, top_k_weights):
-    """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
+    """`ExpertsInterface` entry:
+    `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`."""
     up_weight, up_bias, down_weight, down_bias = expert_parameters(module)
     reason = _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_weight)
     if reason is not None:
@@ -194,7 +198,7 @@ def triton_experts_forward(module, hidden_states, top_k_index, top_k_weights):
         inputs = tuple(t.clone() if t is not None and t.is_inference() else t for t in inputs)
         return _TritonExperts.apply(*inputs, module, layout)
     pairs = sort_pairs(top_k_index, down_weight.shape[0])
-    return experts_forward(hidden_states, pairs, top_k_weights, *inputs[3:], layout)
+    return experts_forward(hidden_states, pairs, top_k_weights, up_weight, up_bias, down_weight, down_bias, layout)
 
 
 ExpertsInterface.register(IMPLEMENTATION_NAME, triton_experts_forward)

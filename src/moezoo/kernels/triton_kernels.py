@@ -96,8 +96,9 @@ def activation_and_derivative(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def expert_tile(offsets_ptr, num_cols, BLOCK_N: tl.constexpr):
-    """This program's expert, the span [start, end) of its pairs, and its tile of output columns with their mask."""
-    expert = tl.program_id(2)
+    """This program's expert, the span [start, end) of its pairs, and its tile of output columns with their mask.
+    The expert is an int64, as the offset of its weights may pass 2**31 elements."""
+    expert = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, tl.load(offsets_ptr + expert), tl.load(offsets_ptr + expert + 1), cols, cols < num_cols
 
@@ -129,7 +130,8 @@ def _up_projection_kernel(
             x = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                         other=0.0)
             w_mask = k_mask[:, None] & col_mask[None, :]
-            w_gate = tl.load(w_expert + cols[None, :] * stride_w_out + ks[:, None] * stride_w_in, mask=w_mask, other=0.0)
+            w_gate = tl.load(w_expert + cols[None, :] * stride_w_out + ks[:, None] * stride_w_in, mask=w_mask,
+                             other=0.0)
             gate = tl.dot(x, w_gate, gate, input_precision=PRECISION, out_dtype=ACCUMULATOR)
             if HAS_GATE:
                 w_up = tl.load(w_expert + (cols[None, :] + width) * stride_w_out + ks[:, None] * stride_w_in,
