@@ -262,6 +262,20 @@ def test_save_and_load_keep_the_buffers(base, inputs, tmp_path):
     assert all(torch.equal(buffer, saved[name]) for name, buffer in buffers_of(reloaded).items())
 
 
+def test_a_qwen3_5_moe_checkpoint_loads_with_only_the_smoes_buffers_new(base, inputs, tmp_path):
+    """transformers writes Qwen3.5-MoE experts as per-expert 2D tensors; the SMoES classes load them through the same
+    conversion to fused experts, and save in that layout again."""
+    base.save_pretrained(tmp_path / "base")
+    model = SmoesQwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "base", config=smoes_config())
+    model.set_experts_implementation("eager")
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in base.state_dict().items())
+    state = model.model.language_model.smoes_states[0]
+    assert torch.equal(state.gauss_var, torch.ones(2, 64)) and torch.equal(state.bins, contiguous_bins(8, 2))
+    with torch.no_grad():  # another load path can change the CPU kernels' summation order, not the weights
+        torch.testing.assert_close(model.eval()(**inputs).logits, base(**inputs).logits, atol=1e-6, rtol=0)
+
+
 # --- configuration -----------------------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.integrations import use_experts_implementation
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -48,6 +49,12 @@ from ...configuration.smoes import SmoesQwen3_5MoeConfig, SmoesQwen3_5MoeTextCon
 from ..moe.pretrained import checkpoints_reentrantly
 from ..moe.smoes import SmoesLayerState, SmoesRuntime, apply_smoes, check_routers_trainable, hard_modality
 
+
+# The SMoES text model keeps Qwen3.5-MoE's weight names and layouts, so a Qwen3.5-MoE checkpoint (per-expert 2D
+# tensors on disk) loads through transformers' own conversion to fused experts, which is keyed by model type.
+register_checkpoint_conversion_mapping(
+    SmoesQwen3_5MoeTextConfig.model_type, get_checkpoint_conversion_mapping("qwen3_5_moe_text"), overwrite=True
+)
 
 @use_experts_implementation
 class SmoesQwen3_5MoeExperts(Qwen3_5MoeExperts):
