@@ -1,5 +1,6 @@
 """Evaluation of the zoo's models, one module per architecture (`moe_vie`: zero-shot classification and
-image/video-text retrieval, the protocol of the MoE-ViE paper; `moemb`: MMEB-V2 and MRMR retrieval)."""
+image/video-text retrieval, the protocol of the MoE-ViE paper; `moemb`: MMEB-V2 and MRMR retrieval; `omnimoe_vl`: VQA
+scores, expert and depth utilisation, question-conditioned route distances and interventions)."""
 
 from __future__ import annotations
 
