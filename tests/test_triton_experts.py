@@ -210,6 +210,19 @@ def test_masked_slots_and_padding_tokens(kernel_calls, backward_calls):
     assert kernel_calls and backward_calls
 
 
+def test_16_bit_activations_into_fp32_experts(kernel_calls, backward_calls):
+    """Under autocast, bf16 activations reach fp32 experts: the kernels compute in fp32 and answer in bf16, with the
+    input's gradient in bf16 and the weights' in fp32, as transformers' grouped_mm does."""
+    module = experts(SwiGLUExperts, "silu")
+    x, index, weights = routing(13, 6, 2, 48)
+    expected = gradients(module, "grouped_mm", x.bfloat16(), index, weights)
+    got = gradients(module, "moezoo_triton", x.bfloat16(), index, weights)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16 and got[3].dtype == torch.float32
+    assert_all_close([got[0].float(), got[1].float()], [expected[0].float(), expected[1].float()], rtol=1e-2)
+    assert_all_close(got[2:], expected[2:])
+    assert kernel_calls and backward_calls
+
+
 def test_gradcheck_in_float64():
     """The backward pass is the derivative of the forward pass (finite differences in fp64, which the kernels
     accumulate in fp64), through masked slots and a token routed twice to one expert."""

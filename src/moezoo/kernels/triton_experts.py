@@ -107,8 +107,8 @@ def _unsupported_reason(module, hidden_states, top_k_weights, up_weight, down_we
         return "custom gates or interleaved gate/up weights"
     if kernel_activation(module.act_fn) is None:
         return f"the activation {type(module.act_fn).__name__}"
-    if not (hidden_states.dtype == up_weight.dtype == down_weight.dtype and hidden_states.dtype in DTYPES):
-        return "mixed dtypes, or dtypes other than fp32, bf16, fp16 and fp64"
+    if not (up_weight.dtype == down_weight.dtype and up_weight.dtype in DTYPES and hidden_states.is_floating_point()):
+        return "experts whose weights differ in dtype, or dtypes other than fp32, bf16, fp16 and fp64"
     if top_k_weights.device != hidden_states.device:
         return "routing weights on another device"
     return None
@@ -192,13 +192,19 @@ def triton_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     from .triton_kernels import ExpertsLayout, experts_forward, sort_pairs
 
     layout = ExpertsLayout(module.has_gate, module.is_transposed, kernel_activation(module.act_fn))
-    inputs = (hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
-    if needs_grad(hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias):
+    # The experts compute in their weights' dtype and answer in the input's, as transformers' grouped_mm and moezoo's
+    # CPU implementation do: the two differ under autocast (bf16 activations into fp32 experts). Both casts are
+    # autograd's, so the gradients come back in each dtype.
+    states = hidden_states.to(up_weight.dtype)
+    if needs_grad(states, top_k_weights, up_weight, up_bias, down_weight, down_bias):
+        inputs = (states, top_k_index, top_k_weights, up_weight, up_bias, down_weight, down_bias)
         # Tensors made under torch.inference_mode() (cached features) cannot be saved for the backward pass.
         inputs = tuple(t.clone() if t is not None and t.is_inference() else t for t in inputs)
-        return _TritonExperts.apply(*inputs, module, layout)
-    pairs = sort_pairs(top_k_index, down_weight.shape[0])
-    return experts_forward(hidden_states, pairs, top_k_weights, up_weight, up_bias, down_weight, down_bias, layout)
+        output = _TritonExperts.apply(*inputs, module, layout)
+    else:
+        pairs = sort_pairs(top_k_index, down_weight.shape[0])
+        output = experts_forward(states, pairs, top_k_weights, up_weight, up_bias, down_weight, down_bias, layout)
+    return output.to(hidden_states.dtype)
 
 
 ExpertsInterface.register(IMPLEMENTATION_NAME, triton_experts_forward)
