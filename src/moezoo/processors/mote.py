@@ -25,14 +25,21 @@ numpy and transformers it imports only from `inputs.py`, which is copied beside 
 import math
 
 import numpy as np
+from transformers.audio_utils import AudioInput
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
-from transformers.image_utils import PILImageResampling, SizeDict, make_flat_list_of_images
+from transformers.image_utils import ImageInput, PILImageResampling, SizeDict, make_flat_list_of_images
+from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorKwargs
 from transformers.models.glm46v.processing_glm46v import Glm46VProcessor
-from transformers.processing_utils import ImagesKwargs, ProcessorMixin, TextKwargs, Unpack
+from transformers.processing_utils import ImagesKwargs, MultiModalData, ProcessingKwargs, Unpack
+from transformers.tokenization_utils_base import TextInput
+from transformers.utils import logging
+from transformers.video_utils import VideoInput
 
-from .inputs import ChecksInputs, check_texts, describe, make_list_of_videos
+from .inputs import ChecksInputs, check_texts, describe, is_frame, make_list_of_videos
 
+
+logger = logging.get_logger(__name__)
 
 IGNORE_INDEX = -100  # labels of unsupervised positions
 
@@ -179,6 +186,12 @@ def add_task_ids(inputs: BatchFeature, route_ids: list[int] | None, return_tenso
     return inputs
 
 
+def warn_if_audio(audio, processor) -> None:
+    """transformers' processors take `audio` whatever their model; a MoTE model hears nothing, so it is dropped."""
+    if audio is not None:
+        logger.warning_once(f"{type(processor).__name__} ignores `audio`: MoTE models take no audio.")
+
+
 def as_text_list(text) -> list[str]:
     check_texts(text)
     return [text] if isinstance(text, str) else list(text)
@@ -201,7 +214,11 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
-class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
+class GlmOcrMoteProcessorKwargs(ProcessingKwargs, total=False):
+    images_kwargs: Glm46VImageProcessorKwargs
+
+
+class GlmOcrMoteProcessor(ChecksInputs, MoteRoutingMixin):
     r"""
     Processor for GLM-OCR-MoTE: GLM-OCR's image processor and tokenizer, images only, plus task routes.
 
@@ -212,43 +229,64 @@ class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
     or a route selector is given. `text` must hold one `<|image|>` per image ([`render_prompt`] writes them); texts,
     images and options are checked as in every processor of the zoo (see `inputs.py`).
 
+    It processes images exactly as transformers' `Glm46VProcessor` (GLM-OCR's processor), whose image methods it
+    reuses. It is not a subclass: `Glm46VProcessor` requires a video processor, which needs torchvision, and carries
+    its defaults (spec §2.6, §6.3). Options go to the image processor or the tokenizer, flat or grouped
+    (`images_kwargs={...}`, `text_kwargs={...}`), as in transformers' processors.
+
     Args:
         image_processor ([`Glm46VImageProcessorPil`]):
             GLM-OCR's image processor (PIL backend; loaded as `Glm46VImageProcessor` where torchvision exists).
         tokenizer ([`PreTrainedTokenizerBase`]):
-            GLM-OCR's tokenizer, with `<|image|>`, `<|begin_of_image|>`, `<|end_of_image|>`, `<|video|>`,
-            `<|begin_of_video|>` and `<|end_of_video|>`.
+            GLM-OCR's tokenizer, with `<|image|>`, `<|begin_of_image|>` and `<|end_of_image|>`.
         chat_template (`str`, *optional*):
             The GLM-V chat template (`[gMASK]<sop><|user|>\n...<|assistant|>\n`).
         expert_names (`list[str]`, *optional*):
             Route id -> task name, as the model's `mote_expert_names` (e.g. `["ocr", "kie"]`).
     """
 
+    valid_processor_kwargs = GlmOcrMoteProcessorKwargs
+    return_mm_token_type_ids = True  # the model's 3-D rotary positions need them
+    text_kwargs = {"return_token_type_ids": False}
     answer_prefix = ""  # GLM answers start right after "<|assistant|>\n"
 
+    # GLM-OCR's image placeholders and their count, as transformers computes them.
+    replace_image_token = Glm46VProcessor.replace_image_token
+    _get_num_multimodal_tokens = Glm46VProcessor._get_num_multimodal_tokens
+    post_process_image_text_to_text = Glm46VProcessor.post_process_image_text_to_text
+
     def __init__(self, image_processor, tokenizer, chat_template=None, expert_names=None):
-        # Glm46VProcessor.__init__ expects a video processor, which needs torchvision: set what it would set and
-        # initialise ProcessorMixin with the image processor and the tokenizer only (spec §2.6).
-        self.image_token, self.video_token = "<|image|>", "<|video|>"
+        self.image_token = "<|image|>"
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-        self.video_start_id = tokenizer.convert_tokens_to_ids("<|begin_of_video|>")
-        self.video_end_id = tokenizer.convert_tokens_to_ids("<|end_of_video|>")
+        super().__init__(image_processor, tokenizer, chat_template=chat_template)
         self.expert_names = list(expert_names) if expert_names is not None else None
 
-    def __call__(self, images=None, text=None, videos=None, task=None, route_selector=None, **kwargs) -> BatchFeature:
+    def __call__(
+        self,
+        images: ImageInput | None = None,
+        text: TextInput | list[TextInput] | None = None,
+        videos: VideoInput | None = None,
+        audio: AudioInput | None = None,
+        task: str | list[str] | None = None,
+        route_selector=None,
+        **kwargs: Unpack[GlmOcrMoteProcessorKwargs],
+    ) -> BatchFeature:
         """
         Process images and text like GLM-OCR, then add `task_ids` (see [`MoteRoutingMixin.route_ids`]). `text` must
-        hold one `<|image|>` per image (use [`render_prompt`] or `apply_chat_template`).
+        hold one `<|image|>` per image (use [`render_prompt`] or `apply_chat_template`). `audio` is accepted, as by
+        every transformers processor, and ignored with a warning: the model takes no audio.
         """
         if videos is not None:
-            raise ValueError("GLM-OCR-MoTE's processor takes images only; pass video frames as images.")
+            raise ValueError(
+                "GLM-OCR-MoTE's processor takes images only (GLM-OCR's video processor needs torchvision); pass video "
+                "frames as images."
+            )
         if text is None and (task is not None or route_selector is not None):
             raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
+        warn_if_audio(audio, self)
         inputs = super().__call__(images=images, text=text, **kwargs)
         route_ids = None if text is None else self.route_ids(task, route_selector, as_text_list(text))
-        return add_task_ids(inputs, route_ids, kwargs.get("return_tensors"))
+        return add_task_ids(inputs, route_ids, self._merge_kwargs(**kwargs)["text_kwargs"].get("return_tensors"))
 
     def validate_inputs(self, images=None, text=None, **kwargs):
         # transformers counts the placeholders too, but does not say how to write them.
@@ -256,9 +294,10 @@ class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
         num_placeholders = 0 if text is None else sum(prompt.count(self.image_token) for prompt in text)
         if text is not None and num_placeholders != num_images:
             raise ValueError(
-                f"The text holds {num_placeholders} {self.image_token} placeholder(s) for {num_images} image(s): write "
-                f"one per image, e.g. with processor.render_prompt(prompt, num_images={num_images}) or the chat "
-                "template."
+                f"The total number of {self.image_token} tokens in the prompts should be the same as the number of "
+                f"images, but the text holds {num_placeholders} {self.image_token} placeholder(s) for {num_images} "
+                f"image(s): write one per image, e.g. with processor.render_prompt(prompt, num_images={num_images}) or "
+                "the chat template."
             )
         super().validate_inputs(images=images, text=text, **kwargs)
 
@@ -277,7 +316,7 @@ class GlmOcrMoteProcessor(MoteRoutingMixin, ChecksInputs, Glm46VProcessor):
 
     @property
     def model_input_names(self) -> list[str]:
-        return super().model_input_names + ["task_ids"]
+        return super().model_input_names + ["mm_token_type_ids", "task_ids"]
 
 
 # --- VideoLLM-MoTE frames -------------------------------------------------------------------------------------------
@@ -289,10 +328,17 @@ class VideoLlmMoteFrameProcessorKwargs(ImagesKwargs, total=False):
         Frames per second the videos are resampled to (the paper's 2).
     max_num_frames (`int`, *optional*, defaults to `self.max_num_frames`):
         Most frames kept per video; longer videos keep their most recent frames (the paper's 1,200 = 10 min).
+    do_sample_frames (`bool`, *optional*, defaults to `self.do_sample_frames`):
+        Whether to resample the videos to `fps`; `False` keeps every frame given (still at most `max_num_frames`).
+    num_frames (`int`, *optional*):
+        Sample this many frames evenly over each video instead of resampling it to `fps` (transformers' uniform
+        sampling; VideoLLM-MoTE was trained on `fps` streams).
     """
 
-    fps: float
-    max_num_frames: int
+    fps: int | float | None
+    max_num_frames: int | None
+    do_sample_frames: bool | None
+    num_frames: int | None
 
 
 def sample_frame_indices(
@@ -364,12 +410,17 @@ def per_video(value, num_videos: int, name: str) -> list:
     return [value] * num_videos
 
 
+# How frames are chosen; the other options of the frame processor are image options.
+SAMPLING_OPTIONS = ("fps", "max_num_frames", "do_sample_frames", "num_frames")
+
+
 class VideoLlmMoteFrameProcessor(PilBackend):
     r"""
     Frame sampling and preprocessing of VideoLLM-MoTE (VideoLLM-online's), on transformers' PIL/numpy backend.
 
     Videos are decoded frames (a list of PIL images or arrays, or a `(frames, height, width, channels)` array), one
-    video or a list of them. Each is resampled to `fps` with [`sample_frame_indices`], cut to `max_num_frames`, and
+    video or a list of them; a frame alone is a still image, a one-frame video. Each is resampled to `fps` with
+    [`sample_frame_indices`] (or, with `do_sample_frames=False`, kept frame by frame), cut to `max_num_frames`, and
     every kept frame is letterboxed: scaled (bicubic) so that its longer side fills `size`, centred on a black
     canvas of `size`, rescaled to [0, 1] and normalised with mean = std = 0.5.
 
@@ -381,6 +432,8 @@ class VideoLlmMoteFrameProcessor(PilBackend):
             Frames per second of the stream the model sees.
         max_num_frames (`int`, *optional*, defaults to 1200):
             Most frames per video (the most recent are kept).
+        do_sample_frames (`bool`, *optional*, defaults to `True`):
+            Whether to resample videos to `fps`; `False` takes the frames given as the stream.
         size (`dict[str, int]`, *optional*, defaults to `{"height": 384, "width": 384}`):
             The canvas; the vision tower's image size.
         Other arguments (`resample`, `do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`, `image_std`,
@@ -392,6 +445,8 @@ class VideoLlmMoteFrameProcessor(PilBackend):
 
     fps = 2.0
     max_num_frames = 1200
+    do_sample_frames = True
+    num_frames = None
     size = {"height": 384, "width": 384}
     resample = PILImageResampling.BICUBIC
     image_mean = [0.5, 0.5, 0.5]
@@ -419,25 +474,41 @@ class VideoLlmMoteFrameProcessor(PilBackend):
                 `timestamps`) the frames are taken to be the `fps` stream already.
             timestamps: Per video, the time in seconds of each of its frames (for frames decoded irregularly).
             segments: `(start, end)` in seconds, one for all or one (or None) per video: the part to keep.
-            kwargs: `fps`, `max_num_frames` and the image options, overriding this processor's settings.
+            kwargs: `fps`, `max_num_frames`, `do_sample_frames` and the image options, overriding this processor's
+                settings.
         """
-        fps = kwargs.pop("fps", None)
-        fps = self.fps if fps is None else fps
-        max_num_frames = kwargs.pop("max_num_frames", None)
-        max_num_frames = self.max_num_frames if max_num_frames is None else max_num_frames
-        if fps <= 0 or max_num_frames < 1:
-            raise ValueError(f"fps must be positive and max_num_frames at least 1, got {fps} and {max_num_frames}.")
-        videos = make_list_of_videos(videos)
-        frames, num_frames = [], []
+        given = {name: kwargs.pop(name, None) for name in SAMPLING_OPTIONS}
+        fps, max_num_frames, do_sample_frames, num_frames = (
+            getattr(self, name) if value is None else value for name, value in given.items()
+        )
+        if fps <= 0 or max_num_frames < 1 or (num_frames is not None and num_frames < 1):
+            raise ValueError(
+                f"fps must be positive, and max_num_frames and num_frames at least 1; got {fps}, {max_num_frames} and "
+                f"{num_frames}."
+            )
+        resamples_to_fps = do_sample_frames and num_frames is None
+        if not resamples_to_fps and not (video_fps is None and timestamps is None and segments is None):
+            raise ValueError(
+                "video_fps, timestamps and segments choose the frames of an fps stream: with do_sample_frames=False "
+                "(every frame given is kept) or num_frames (frames evenly spaced), leave them out."
+            )
+        videos = [[videos]] if is_frame(videos) else make_list_of_videos(videos)
+        frames, frames_per_video = [], []
         for video, source_fps, times, segment in zip(
             videos, per_video(video_fps, len(videos), "video_fps"), per_video(timestamps, len(videos), "timestamps"),
             per_video(segments, len(videos), "segments"),
         ):  # fmt: skip
-            indices = sample_frame_indices(len(video), fps, source_fps, times, segment, max_num_frames)
+            if resamples_to_fps:
+                indices = sample_frame_indices(len(video), fps, source_fps, times, segment, max_num_frames)
+            elif do_sample_frames:
+                count = min(num_frames, max_num_frames, len(video))
+                indices = np.linspace(0, len(video) - 1, count).round().astype(int).tolist()
+            else:
+                indices = list(range(len(video)))[-max_num_frames:]
             frames.extend(video[i] for i in indices)
-            num_frames.append(len(indices))
+            frames_per_video.append(len(indices))
         pixel_values = self.preprocess(frames, **kwargs)["pixel_values"]
-        data = {"pixel_values_videos": pixel_values, "video_num_frames": np.array(num_frames, dtype=np.int64)}
+        data = {"pixel_values_videos": pixel_values, "video_num_frames": np.array(frames_per_video, dtype=np.int64)}
         return BatchFeature(data=data, tensor_type=return_tensors)
 
     def _preprocess(
@@ -481,29 +552,49 @@ class VideoLlmMoteFrameProcessor(PilBackend):
 # --- VideoLLM-MoTE --------------------------------------------------------------------------------------------------
 
 VIDEO_TOKEN = "<v>"  # stands for the frame placeholder token in the template below
+IMAGE_TOKEN = "<image>"  # a still image in a text, expanded into one frame's placeholders
 
 
-def videollm_chat_template(video_token: str) -> str:
+def videollm_chat_template(video_token: str, image_token: str = IMAGE_TOKEN) -> str:
     """
     VideoLLM-online's chat template (paper A.5) with `video_token` as the frame placeholder.
 
     Roles: `system` -> `<|begin_of_text|>` + content + `\\n`; `user` -> `\\nUser: ` + content; `stream` ->
     `\\n[` + one `video_token` + `]`, which the processor expands into the frames of its video; `assistant` ->
-    `\\nAssistant: ` + content + `<|eot_id|>`; the generation prompt is `\\nAssistant:`.
+    `\\nAssistant: ` + content + `<|eot_id|>` (the generated span, for `return_assistant_tokens_mask`); the generation
+    prompt is `\\nAssistant:`. Content is a string or transformers' list of parts: its text parts in order, then a
+    stream per image (`image_token`) or video part, as a `stream` message after the user's words.
     """
+    text = (
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+        "{%- endif -%}"
+    )
+    streams = (
+        "{%- if message['content'] is not string -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}{{ '\n[" + image_token + "]' }}"
+        "{%- elif part['type'] == 'video' -%}{{ '\n[" + video_token + "]' }}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+    )
     return (
         "{%- for message in messages -%}"
-        "{%- if message['role'] == 'system' -%}{{ bos_token + message['content'] + '\n' }}"
-        "{%- elif message['role'] == 'user' -%}{{ '\nUser: ' + message['content'] }}"
+        "{%- if message['role'] == 'system' -%}{{ bos_token }}" + text + "{{ '\n' }}"
+        "{%- elif message['role'] == 'user' -%}{{ '\nUser: ' }}" + text + streams +
         "{%- elif message['role'] == 'stream' -%}{{ '\n[" + video_token + "]' }}"
-        "{%- elif message['role'] == 'assistant' -%}{{ '\nAssistant: ' + message['content'] + eos_token }}"
+        "{%- elif message['role'] == 'assistant' -%}{{ '\nAssistant: ' }}{%- generation -%}" + text + "{{ eos_token }}"
+        "{%- endgeneration -%}"
         "{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{ '\nAssistant:' }}{%- endif -%}"
     )
 
 
-class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
+class VideoLlmMoteProcessorKwargs(ProcessingKwargs, total=False):
+    images_kwargs: VideoLlmMoteFrameProcessorKwargs
+    videos_kwargs: VideoLlmMoteFrameProcessorKwargs
+
+
+class VideoLlmMoteProcessor(ChecksInputs, MoteRoutingMixin):
     r"""
     Processor for VideoLLM-MoTE: a [`VideoLlmMoteFrameProcessor`] for the videos and a Llama-3 tokenizer.
 
@@ -511,22 +602,31 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
     `pixel_values_videos` and `video_num_frames` (see the frame processor) and `task_ids`. Each text holds one
     `video_token` per video, in order (a `stream` message of the chat template renders one, inside `[` `]`); it is
     expanded to the video's frames, `frame_num_tokens` placeholders per frame separated by `frame_interval_token`, so
-    F frames cost `10F + (F - 1)` tokens (spec §2.7). Texts are rendered prompts, beginning-of-text included, so the
-    tokenizer adds no special tokens of its own. [`encode_stream`] builds a live-stream training example instead
-    (answers interleaved with the frames, silence targets; spec §6.1).
+    F frames cost `10F + (F - 1)` tokens (spec §2.7). A still image (`images=`, one `image_token` per image) is a
+    one-frame video: its `image_token` becomes one frame's placeholders and its frame joins `pixel_values_videos` in
+    the order of the placeholders. Texts are rendered prompts, beginning-of-text included, so the tokenizer adds no
+    special tokens of its own. [`encode_stream`] builds a live-stream training example instead (answers interleaved
+    with the frames, silence targets; spec §6.1).
+
+    Options go to the frame processor (`fps`, `max_num_frames`, `do_sample_frames`, `size`, ...) or the tokenizer
+    (`padding`, `truncation`, `max_length`, `return_offsets_mapping`, ...), flat or grouped (`videos_kwargs={...}`,
+    `images_kwargs={...}`, `text_kwargs={...}`) as in transformers' processors; one that no part takes is an error.
 
     Args:
         image_processor ([`VideoLlmMoteFrameProcessor`]):
-            Samples and processes the frames (transformers loads it with `AutoImageProcessor`, hence the name).
+            Samples and processes the frames (transformers loads it with `AutoImageProcessor`: its video processors
+            need torchvision). It is also the processor's `video_processor`.
         tokenizer ([`PreTrainedTokenizerBase`]):
             The Llama-3 tokenizer, whose `eos_token` ends assistant turns (`<|eot_id|>` for the Instruct models).
         chat_template (`str`, *optional*):
-            Defaults to [`videollm_chat_template`] with `video_token`.
+            Defaults to [`videollm_chat_template`] with `video_token` and `image_token`.
         expert_names (`list[str]`, *optional*):
             Route id -> task name, as the model's `mote_expert_names`.
         video_token (`str`, *optional*, defaults to `"<v>"`):
             The frame placeholder: a reserved special token of the vocabulary (`<|reserved_special_token_0|>` for
             Llama-3), whose id is the model's `video_token_id`.
+        image_token (`str`, *optional*, defaults to `"<image>"`):
+            Marks a still image in a text; it is replaced by one frame's placeholders, so it need not be a token.
         frame_interval_token (`str`, *optional*, defaults to `","`):
             Separates frames; its id is the model's `frame_token_interval_id`.
         frame_num_tokens (`int`, *optional*, defaults to 10):
@@ -535,6 +635,8 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
             The system prompt [`render_prompt`] uses; VideoLLM-online's by default.
     """
 
+    valid_processor_kwargs = VideoLlmMoteProcessorKwargs
+    text_kwargs = {"add_special_tokens": False}  # rendered prompts begin with their own <|begin_of_text|>
     answer_prefix = " "  # "\nAssistant:" ends the prompt; answers follow after a space (A.5)
     response_header = "]\nAssistant:"  # closes the stream before an answer in a live stream
     stream_reopening = "\n["  # and reopens it after the answer
@@ -546,13 +648,17 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
         chat_template=None,
         expert_names=None,
         video_token: str = VIDEO_TOKEN,
+        image_token: str = IMAGE_TOKEN,
         frame_interval_token: str = ",",
         frame_num_tokens: int = 10,
         system_prompt: str = VIDEOLLM_SYSTEM_PROMPT,
     ):
-        super().__init__(image_processor, tokenizer, chat_template=chat_template or videollm_chat_template(video_token))
+        super().__init__(
+            image_processor, tokenizer, chat_template=chat_template or videollm_chat_template(video_token, image_token)
+        )
         self.expert_names = list(expert_names) if expert_names is not None else None
         self.video_token = video_token
+        self.image_token = image_token
         self.frame_interval_token = frame_interval_token
         self.frame_num_tokens = frame_num_tokens
         self.system_prompt = system_prompt
@@ -563,90 +669,167 @@ class VideoLlmMoteProcessor(MoteRoutingMixin, ProcessorMixin):
         self.video_token_id = vocabulary[video_token]
         self.frame_interval_token_id = vocabulary[frame_interval_token]
 
+    @property
+    def video_processor(self) -> VideoLlmMoteFrameProcessor:
+        # The frame processor, under the name transformers gives the part that takes videos; not a second saved
+        # component (transformers' video processors need torchvision).
+        return self.image_processor
+
     def __call__(
         self,
-        text=None,
-        videos=None,
-        task=None,
+        images: ImageInput | None = None,
+        text: TextInput | list[TextInput] | None = None,
+        videos: VideoInput | None = None,
+        audio: AudioInput | None = None,
+        task: str | list[str] | None = None,
         route_selector=None,
-        video_fps=None,
-        timestamps=None,
-        segments=None,
-        return_tensors=None,
-        **kwargs,
+        video_fps: float | list[float | None] | None = None,
+        timestamps: list[list[float]] | None = None,
+        segments: tuple[float, float] | list[tuple[float, float] | None] | None = None,
+        **kwargs: Unpack[VideoLlmMoteProcessorKwargs],
     ) -> BatchFeature:
         """
-        Process texts and their videos.
+        Process texts with their videos and still images.
 
         Args:
+            images: Still images, one `image_token` each in the texts: each is a one-frame video.
             text: A rendered prompt or a list of them (see [`render_prompt`]), with one `video_token` per video.
             videos: The videos of all texts in order (one video, or a list; see [`VideoLlmMoteFrameProcessor`]).
+            audio: Accepted, as by every transformers processor, and ignored with a warning: the model hears nothing.
             task: A task name for the whole batch or one per text; else `route_selector` chooses from the user
                 prompts; else no `task_ids` (the model's default route).
             route_selector: A `MoteRouteSelector` whose names are task names of this processor.
             video_fps, timestamps, segments: How to sample the videos (see [`VideoLlmMoteFrameProcessor`]).
-            kwargs: Frame options (`fps`, `max_num_frames`, `size`, ...) go to the frame processor and tokenizer
-                options (`padding`, `padding_side`, `truncation`, ...) to the tokenizer, given flat or grouped as in
-                transformers' processors (`videos_kwargs={...}`, `text_kwargs={...}`); see [`split_options`].
+            kwargs: Options of the frame processor and the tokenizer, flat or grouped by modality.
+
+        Without text, the frames of the images come before those of the videos.
         """
-        if text is None:
-            raise ValueError("VideoLlmMoteProcessor needs `text`: render it with `render_prompt` or the chat template.")
-        texts = as_text_list(text)
-        frame_options, text_options = self.split_options(kwargs)
-        num_markers = sum(t.count(self.video_token) for t in texts)
-        video_inputs = {}
+        # Not ProcessorMixin.__call__: images and videos both become frames of `pixel_values_videos`, which must
+        # follow the order of their placeholders in the texts.
+        if text is None and (task is not None or route_selector is not None):
+            raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
+        images, text, videos, audio = self.prepare_inputs_layout(images=images, text=text, videos=videos, **kwargs)
+        self.validate_inputs(images=images, text=text, videos=videos, **kwargs)
+        warn_if_audio(audio, self)
+        route_ids = None if text is None else self.route_ids(task, route_selector, text)
+        output_kwargs = self._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)
+        return_tensors = output_kwargs["text_kwargs"].pop("return_tensors", None)
+
+        streams = {"image": None, "video": None}  # frames of each stream, per modality, in the order given
+        replacements = {"image": [], "video": []}
+        if images is not None:
+            frames, replacements["image"] = self._process_images(images, **output_kwargs["images_kwargs"])
+            streams["image"] = self.split_streams(frames)
         if videos is not None:
-            video_inputs = self.image_processor(
-                videos, video_fps=video_fps, timestamps=timestamps, segments=segments, **frame_options
+            frames, replacements["video"] = self._process_videos(
+                videos, video_fps=video_fps, timestamps=timestamps, segments=segments, **output_kwargs["videos_kwargs"]
             )
-        num_videos = len(video_inputs.get("video_num_frames", ()))
-        if num_markers != num_videos:
-            raise ValueError(
-                f"The texts hold {num_markers} {self.video_token!r} placeholders for {num_videos} videos: put one "
-                "`stream` message (one placeholder) per video in the conversation."
-            )
-        if num_videos:
-            texts = self.expand_video_placeholders(texts, video_inputs["video_num_frames"].tolist())
-        # Texts are rendered prompts that begin with their own <|begin_of_text|>.
-        text_inputs = self.tokenizer(texts, **{"add_special_tokens": False, **text_options})
-        # Truncation can cut frame placeholders while every frame stays in `pixel_values_videos`.
-        self._check_special_mm_tokens(texts, text_inputs, modalities=["video"])
-        inputs = BatchFeature(data={**text_inputs, **video_inputs}, tensor_type=return_tensors)
-        return add_task_ids(inputs, self.route_ids(task, route_selector, as_text_list(text)), return_tensors)
+            streams["video"] = self.split_streams(frames)
 
-    def split_options(self, kwargs: dict) -> tuple[dict, dict]:
-        """
-        The frame processor's and the tokenizer's options among `kwargs`: flat, or grouped in `videos_kwargs` (or
-        `images_kwargs`) and `text_kwargs` as transformers' processors take them. An option neither takes raises
-        instead of being silently ignored (the tokenizer swallows unknown keywords).
-        """
-        frame_keys = set(self.image_processor.valid_kwargs.__annotations__)
-        text_keys = set(TextKwargs.__annotations__)
-        kwargs = dict(kwargs)
-        frame_options = {**(kwargs.pop("images_kwargs", None) or {}), **(kwargs.pop("videos_kwargs", None) or {})}
-        text_options = dict(kwargs.pop("text_kwargs", None) or {})
-        for key, value in kwargs.items():
-            (frame_options if key in frame_keys else text_options)[key] = value
-        unknown = sorted(set(frame_options) - frame_keys) + sorted(set(text_options) - text_keys)
-        if unknown:
-            raise ValueError(
-                f"Unknown option(s) {', '.join(unknown)}. The frame processor takes {', '.join(sorted(frame_keys))}; "
-                f"the tokenizer takes {', '.join(sorted(text_keys))}; how videos are sampled is set with video_fps, "
-                "timestamps and segments."
+        data = {}
+        if text is not None:
+            text_kwargs = output_kwargs["text_kwargs"]
+            # As ProcessorMixin.__call__: these are processor options, also accepted among the text options.
+            return_offsets, return_token_types = (
+                text_kwargs.pop(name, output_kwargs[name])
+                for name in ("return_text_replacement_offsets", "return_mm_token_type_ids")
             )
-        return frame_options, text_options
+            text, offsets = self.get_text_with_replacements(text, replacements["image"], replacements["video"])
+            data.update(self.tokenizer(text, **text_kwargs))
+            # Truncation can cut frame placeholders while every frame stays in `pixel_values_videos`.
+            self._check_special_mm_tokens(text, data, modalities=["video"])
+            order = [[replacement["type"] for replacement in sample] for sample in offsets]
+            if return_offsets:
+                data["text_replacement_offsets"] = offsets
+            if return_token_types:
+                data["mm_token_type_ids"] = self.frame_token_types(data["input_ids"], order, streams)
+        else:
+            order = [["image"] * len(streams["image"] or ()) + ["video"] * len(streams["video"] or ())]
+        if images is not None or videos is not None:
+            data.update(self.join_streams(streams, [kind for sample in order for kind in sample]))
+        inputs = BatchFeature(data, tensor_type=return_tensors, skip_tensor_conversion=self.skip_tensor_conversion)
+        return add_task_ids(inputs, route_ids, return_tensors)
 
-    def expand_video_placeholders(self, texts: list[str], num_frames: list[int]) -> list[str]:
-        """Replace the i-th `video_token` of the batch by the frame placeholders of the i-th video."""
-        frame = self.video_token * self.frame_num_tokens
-        counts = iter(num_frames)
-        return [
-            "".join(
-                piece if index == 0 else self.frame_interval_token.join([frame] * next(counts)) + piece
-                for index, piece in enumerate(text.split(self.video_token))
+    def validate_inputs(self, images=None, text=None, videos=None, **kwargs):
+        # transformers counts the placeholders too, but does not say how to write them.
+        num_videos = 0 if videos is None else len(make_list_of_videos(videos))
+        num_placeholders = 0 if text is None else sum(prompt.count(self.video_token) for prompt in text)
+        if text is not None and num_placeholders != num_videos:
+            raise ValueError(
+                f"The total number of {self.video_token} tokens in the prompts should be the same as the number of "
+                f"videos, but the texts hold {num_placeholders} {self.video_token!r} placeholders for {num_videos} "
+                "videos: put one `stream` message (one placeholder) per video in the conversation."
+                + (f" A still image is written {self.image_token} (an `image` part of a message)." if images else "")
             )
-            for text in texts
-        ]
+        super().validate_inputs(images=images, text=text, videos=videos, **kwargs)
+
+    # Frames stay numpy arrays until the streams are put in order; the output is converted as a whole.
+    def _process_images(self, images: ImageInput, **kwargs) -> tuple[dict, list[str]]:
+        # A still image is a one-frame video: no resampling in time.
+        still_videos = [[image] for image in make_flat_list_of_images(images)]
+        frames = self.image_processor(still_videos, **{**kwargs, "do_sample_frames": False, "return_tensors": None})
+        return frames, [self.replace_image_token(frames, index) for index in range(len(frames["video_num_frames"]))]
+
+    def _process_videos(self, videos: VideoInput, **kwargs) -> tuple[dict, list[str]]:
+        frames = self.video_processor(videos, **{**kwargs, "return_tensors": None})
+        return frames, [self.replace_video_token(frames, index) for index in range(len(frames["video_num_frames"]))]
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        return self.video_token * self.frame_num_tokens
+
+    def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
+        num_frames = int(video_inputs["video_num_frames"][video_idx])
+        return self.frame_interval_token.join([self.video_token * self.frame_num_tokens] * num_frames)
+
+    @staticmethod
+    def split_streams(frames: dict) -> list[np.ndarray]:
+        """The frames of each video (or image) of a frame-processor output, one array per stream."""
+        boundaries = np.cumsum(frames["video_num_frames"])[:-1]
+        return np.split(np.asarray(frames["pixel_values_videos"]), boundaries)
+
+    @staticmethod
+    def join_streams(streams: dict, order: list[str]) -> dict:
+        """`pixel_values_videos` and `video_num_frames` of all streams, images and videos, in `order`."""
+        remaining = {kind: iter(streams[kind] or ()) for kind in streams}
+        ordered = [next(remaining[kind]) for kind in order]
+        return {
+            "pixel_values_videos": np.concatenate(ordered),
+            "video_num_frames": np.array([len(frames) for frames in ordered], dtype=np.int64),
+        }
+
+    def frame_token_types(self, input_ids, order: list[list[str]], streams: dict) -> list[list[int]]:
+        """
+        transformers' `mm_token_type_ids`: 1 on the placeholders of an image, 2 on those of a video, 0 elsewhere.
+        Both are `video_token`, so each text's placeholders are given to its streams in order, frame by frame.
+        """
+        frame_counts = {kind: iter(len(frames) for frames in streams[kind] or ()) for kind in streams}
+        token_types = []
+        for ids, kinds in zip(input_ids, order):
+            owners = [
+                1 if kind == "image" else 2
+                for kind in kinds
+                for _ in range(next(frame_counts[kind]) * self.frame_num_tokens)
+            ]
+            owner = iter(owners)
+            token_types.append([next(owner) if token == self.video_token_id else 0 for token in list(ids)])
+        return token_types
+
+    def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs) -> MultiModalData:
+        """
+        The placeholder tokens of images of `image_sizes` and of videos of `video_sizes` (frames, height, width)
+        taken frame by frame: each frame costs `frame_num_tokens`, whatever its size (frames are letterboxed).
+        """
+        vision_data = {}
+        if image_sizes is not None:
+            vision_data["num_image_tokens"] = [self.frame_num_tokens] * len(image_sizes)
+            vision_data["num_image_patches"] = [1] * len(image_sizes)  # one frame each
+        if video_sizes is not None:
+            max_num_frames = self._merge_kwargs(**kwargs)["videos_kwargs"].get("max_num_frames")
+            max_num_frames = max_num_frames or self.image_processor.max_num_frames
+            vision_data["num_video_tokens"] = [
+                min(num_frames, max_num_frames) * self.frame_num_tokens for num_frames, _, _ in video_sizes
+            ]
+        return MultiModalData(**vision_data)
 
     def encode_stream(
         self,
