@@ -415,6 +415,7 @@ def _add_bench(commands) -> None:
         moezoo bench moe-vie
         moezoo bench moemb --inputs text image+text
         moezoo bench mote --experts 1 2 4 8 16
+        moezoo bench gpu-check --out gpu_check_output
         """,
     )
     bench.set_defaults(run=lambda args: _print_help(bench))  # `moezoo bench` without a benchmark
@@ -422,9 +423,10 @@ def _add_bench(commands) -> None:
     for name, help in (
         ("moemb", "embeddings per second: MoEMB against transformers' Qwen3.5-MoE forward on the same weights"),
         ("mote", "per-sample latency and active parameters of MoTE as the number of stored experts grows"),
+        ("gpu-check", "the GPU tests and benchmarks in one run of under 8 minutes, reported as JSON and Markdown"),
     ):
-        _add_module_subcommand(targets, name, help, f"moezoo.bench.{name}", "add_bench_arguments", "run_bench",
-                               f"bench {name}")
+        _add_module_subcommand(targets, name, help, f"moezoo.bench.{name.replace('-', '_')}", "add_bench_arguments",
+                               "run_bench", f"bench {name}")
     moe_layer = _command(
         targets,
         "moe-layer",

@@ -453,9 +453,10 @@ def _bound(bound: float | None, at_least: bool) -> str | None:
     return None if bound is None else f"{'>=' if at_least else '<='} {bound:.3g}"
 
 
-def print_target_checks(checks: Sequence[TargetCheck]) -> None:
-    if not checks:
-        return
+def target_check_table(checks: Sequence[TargetCheck]) -> tuple[list[str], list[list[object]]]:
+    """The columns and rows of the targets table (the terminal's, and `moezoo bench gpu-check`'s Markdown)."""
+    columns = ["tokens", "mode", "ms", "read floor ms", "compute floor ms", f"× {checks[0].baseline}", "target",
+               "verdict", "× read floor", "target", "verdict", "rel |Δ| vs eager", "target", "verdict"]  # fmt: skip
     rows = []
     for c in checks:
         verdicts = c.verdicts()
@@ -465,17 +466,23 @@ def print_target_checks(checks: Sequence[TargetCheck]) -> None:
             c.read_floor_ratio, _bound(c.max_read_floor_ratio, False), _verdict(verdicts.get("read_floor_ratio")),
             c.rel_diff, _bound(c.max_rel_diff, False), _verdict(verdicts.get("rel_diff")),
         ])  # fmt: skip
-    print_table(
-        f"{checks[0].impl} against its targets",
-        ["tokens", "mode", "ms", "read floor ms", "compute floor ms", f"× {checks[0].baseline}", "target", "verdict",
-         "× read floor", "target", "verdict", "rel |Δ| vs eager", "target", "verdict"],
-        rows,
-    )  # fmt: skip
+    return columns, rows
+
+
+TARGETS_NOTE = (
+    "read floor: the time to read the weights of the experts hit once; compute floor: the arithmetic at the dense "
+    "matmul peak; both measured in the same run, and no implementation is faster than either. × read floor: ms / read "
+    "floor. rel |Δ|: max|Δ| / max(1, max|eager|) over the output and every gradient."
+)
+
+
+def print_target_checks(checks: Sequence[TargetCheck]) -> None:
+    if not checks:
+        return
+    print_table(f"{checks[0].impl} against its targets", *target_check_table(checks))
     console.print(
-        "read floor: the time to read the weights of the experts hit once; compute floor: the arithmetic at the dense "
-        "matmul peak; both measured in this run, and no implementation is faster than either. × read floor: ms / read "
-        "floor. rel |Δ|: max|Δ| / max(1, max|eager|) over the output and every gradient. A single run on a shared "
-        "machine varies by about ±15%: a ratio within that of its target is not a verdict on its own."
+        f"{TARGETS_NOTE} A single run on a shared machine varies by about ±15%: a ratio within that of its target is "
+        "not a verdict on its own."
     )
 
 

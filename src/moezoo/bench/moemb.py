@@ -134,7 +134,7 @@ def transformers_embeddings(backbone, inputs: dict, impl: str | None = None) -> 
         backbone.set_experts_implementation(impl)
     model_inputs = {key: value for key, value in inputs.items() if key != "pooled_index"}
     hidden_states = backbone(**model_inputs).last_hidden_state
-    pooled = hidden_states[torch.arange(hidden_states.shape[0]), inputs["pooled_index"]]
+    pooled = hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), inputs["pooled_index"]]
     return F.normalize(pooled.float(), dim=-1)
 
 
