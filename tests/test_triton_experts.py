@@ -250,7 +250,7 @@ def test_training_a_transformers_model_one_step(kernel_calls, backward_calls):
         torch.manual_seed(0)
         model = Qwen3MoeForCausalLM(config).to(DEVICE)
         model.set_experts_implementation(implementation)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         loss = model(ids, labels=ids).loss
         loss.backward()
         grads = [parameter.grad.clone() for parameter in model.parameters()]
@@ -263,23 +263,22 @@ def test_training_a_transformers_model_one_step(kernel_calls, backward_calls):
 
 def test_moezoo_hands_cuda_tensors_to_triton(kernel_calls, monkeypatch):
     """The default implementation of moezoo's models, `moezoo`, runs moezoo_triton on the devices of
-    TRITON_DEVICE_TYPES (CUDA) when triton is installed; CPU calls stay on its CPU implementation. (Triton's
-    interpreter stands in for a GPU by declaring the CPU a Triton device.)"""
+    TRITON_DEVICE_TYPES (CUDA) when triton is installed, and CPU calls on its CPU implementation. (Declaring the CPU a
+    Triton device lets Triton's interpreter stand in for a GPU.)"""
     module = experts(SwiGLUExperts, "silu")
     inputs = routing(9, 6, 2, 48)
     expected = gradients(module, "eager", *inputs)
     assert_all_close(gradients(module, "moezoo", *inputs), expected)
-    assert kernel_calls == []
+    assert len(kernel_calls) == (DEVICE == "cuda")
 
-    monkeypatch.setattr(sorted_experts, "TRITON_DEVICE_TYPES", ("cuda", DEVICE))
+    kernel_calls.clear()
+    monkeypatch.setattr(sorted_experts, "TRITON_DEVICE_TYPES", (DEVICE,))
     monkeypatch.setattr(sorted_experts, "is_triton_available", lambda: False)
     assert_all_close(gradients(module, "moezoo", *inputs), expected)
     assert kernel_calls == []
     monkeypatch.setattr(sorted_experts, "is_triton_available", lambda: True)
     assert_all_close(gradients(module, "moezoo", *inputs), expected)
     assert kernel_calls == [(9, 48)]
-    assert sorted_experts.hands_to_triton(torch.device("cuda")) and not sorted_experts.hands_to_triton(
-        torch.device("mps"))
 
 
 def test_devices_triton_does_not_compile_for_are_named(monkeypatch):
