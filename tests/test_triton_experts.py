@@ -55,8 +55,8 @@ def run(module, implementation, *inputs):
 
 
 def gradients(module, implementation, x, index, weights):
-    """The output and the gradients of a fixed projection of it w.r.t. the inputs, routing weights and every
-    parameter (`None` where there is none)."""
+    """The output, and the gradients of a fixed projection of it w.r.t. the inputs, the routing weights and every
+    parameter."""
     module.config._experts_implementation = implementation
     module.zero_grad(set_to_none=True)
     x, weights = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)

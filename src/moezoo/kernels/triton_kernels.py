@@ -60,7 +60,7 @@ class SortedPairs:
     slot: torch.Tensor  # (S,) int64: the slot token * k + j of each pair, expert 0's first
     token: torch.Tensor  # (S,) int64: the token of each pair
     offsets: torch.Tensor  # (E+1,) int64: expert e owns the pairs offsets[e] .. offsets[e+1]
-    top_k: int
+    top_k: int  # k, the slots of each token
 
 
 def sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> SortedPairs:
