@@ -241,6 +241,46 @@ def test_batches_pair_placeholders_with_videos_in_order(videollm):
     assert out["task_ids"].tolist() == [videollm.expert_names.index("step"), videollm.expert_names.index("task")]
 
 
+def test_still_images_are_one_frame_streams_in_the_order_of_their_placeholders(videollm):
+    image, video = random_image(20, 12, seed=3), random_video(3, 16, 16, seed=4)
+    text = "<|begin_of_text|>\nUser: compare\n[<v>]\n[<image>]\nAssistant:"
+    out = videollm(text=text, images=[image], videos=[video], return_mm_token_type_ids=True, return_tensors="np")
+    assert out["video_num_frames"].tolist() == [3, 1]  # the video first, as in the text
+    alone = videollm.image_processor([[image]], return_tensors="np")["pixel_values_videos"]
+    np.testing.assert_array_equal(out["pixel_values_videos"][3:], alone)
+    ids, token_types = out["input_ids"][0], out["mm_token_type_ids"][0]
+    assert (ids == 120).sum() == 40 and (token_types == 2).sum() == 30 and (token_types == 1).sum() == 10
+    assert set(token_types[ids != 120].tolist()) == {0}  # the frame separators are text
+    assert videollm._get_num_multimodal_tokens(image_sizes=[(20, 12)])["num_image_tokens"] == [10]
+    # What the model receives for a still image is what it receives for a one-frame video.
+    as_video = videollm(text=text.replace("<image>", "<v>"), videos=[video, [image]], return_tensors="np")
+    for key in as_video:
+        np.testing.assert_array_equal(out[key], as_video[key], err_msg=key)
+
+
+def test_frames_are_kept_as_given_or_evenly_spaced_on_request(videollm):
+    video = random_video(7, 8, 8)
+    assert videollm.image_processor([video], do_sample_frames=False)["video_num_frames"].tolist() == [7]
+    evenly = videollm.image_processor([video], num_frames=3, return_tensors="np")["pixel_values_videos"]
+    chosen = videollm.image_processor([[video[i] for i in (0, 3, 6)]])["pixel_values_videos"]
+    np.testing.assert_array_equal(evenly, chosen)
+    with pytest.raises(ValueError, match="with do_sample_frames=False .* leave them out"):
+        videollm.image_processor([video], do_sample_frames=False, video_fps=30)
+
+
+def test_chat_template_takes_content_parts_and_marks_the_answer(videollm):
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "image"}, {"type": "video"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A."}]},
+    ]
+    assert videollm.apply_chat_template(conversation) == "\nUser: Q\n[<image>]\n[<v>]\nAssistant: A.<|eot_id|>"
+    out = videollm.tokenizer.apply_chat_template(
+        conversation, chat_template=videollm.chat_template, return_dict=True, return_assistant_tokens_mask=True
+    )
+    answer = [token for token, mask in zip(out["input_ids"], out["assistant_masks"]) if mask]
+    assert answer == videollm.answer_ids(["A."])[0]
+
+
 def test_answers_are_tokenised_after_a_space_and_end_with_end_of_turn(videollm):
     [ids] = videollm.answer_ids(["Stir."])
     tokens = videollm.tokenizer
@@ -333,7 +373,8 @@ def test_save_pretrained_round_trip(architecture, videollm, glm, tmp_path, frame
     assert reloaded.image_processor.to_dict() == processor.image_processor.to_dict()
     assert reloaded.tokenizer.get_vocab() == processor.tokenizer.get_vocab()
     assert reloaded.chat_template == processor.chat_template
-    for name in ("expert_names", "video_token", "frame_interval_token", "frame_num_tokens", "system_prompt"):
+    for name in ("expert_names", "video_token", "image_token", "frame_interval_token", "frame_num_tokens",
+                 "system_prompt"):
         assert getattr(reloaded, name, None) == getattr(processor, name, None), name
 
 
