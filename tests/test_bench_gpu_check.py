@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from moezoo.bench import moemb
+from moezoo.bench import gpu_check, moemb
 from moezoo.bench.gpu_check import (
     BENCH_COLUMNS,
     GPU_TEST_FILES,
@@ -166,6 +166,30 @@ def test_the_report_gives_the_gpu_targets_their_verdicts(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [check["verdicts"] for check in report["gpu_targets"]] == [
         {"speedup": True}, {"speedup": False}, {"speedup": True}
+    ]
+
+
+def test_the_command_runs_the_steps_asked_for(tmp_path, monkeypatch, capsys):
+    """`run_bench` with its CUDA calls replaced: it runs the --steps asked for, and exits 1 when one fails."""
+    test_file = tmp_path / "test_ok.py"
+    test_file.write_text("def test_ok():\n    pass\n")
+    steps = [Step("tests", "tests", (str(test_file), "-q", "-p", "no:cacheprovider"), 120),
+             Step("broken", "tests", ("--no-such-option",), 120)]  # fmt: skip
+    monkeypatch.setattr(gpu_check, "check_cuda", lambda: None)
+    monkeypatch.setattr(gpu_check, "gpu_check_steps", lambda: steps)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA Test GPU")
+    parser = argparse.ArgumentParser()
+    gpu_check.add_bench_arguments(parser)
+
+    out = tmp_path / "report"
+    assert gpu_check.run_bench(parser.parse_args(["--out", str(out), "--steps", "tests"])) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [step["name"] for step in report["steps"]] == ["tests"] and report["environment"]["gpu"] == "NVIDIA Test GPU"
+    assert report["steps"][0]["results"]["passed"] == 1
+    assert "gpu_check.md" in capsys.readouterr().out
+    assert gpu_check.run_bench(parser.parse_args(["--out", str(out)])) == 1  # both steps: "broken" fails
+    assert [step["status"] for step in json.loads((out / "gpu_check.json").read_text())["steps"]] == [
+        "passed", "failed (exit status 4)"
     ]
 
 

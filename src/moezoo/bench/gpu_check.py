@@ -146,25 +146,28 @@ def check_cuda() -> None:
 
 def run_step(step: Step, out: Path) -> StepResult:
     """Run `step` from the repository's root, its output in `out/NAME.log`, stopped at its budget."""
-    log_path = out / f"{step.name}.log"
+    log_path, junit = out / f"{step.name}.log", out / f"{step.name}.xml"
+    junit.unlink(missing_ok=True)  # a previous run's, which a step stopped before writing its own would leave
     command = step.command(out)
     started = time.perf_counter()
+    stdout, overran = "", False
     with log_path.open("w") as log:
-        # A session of its own, so that a step stopped at its budget is stopped with every process it started.
+        # A session of its own, so that the step's processes (pytest's workers too) can be stopped together.
         process = subprocess.Popen(
             command, cwd=REPOSITORY, stdout=subprocess.PIPE if step.kind == "bench" else log,
             stderr=log if step.kind == "bench" else subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         try:
             stdout, _ = process.communicate(timeout=step.budget_s)
-            returncode = process.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, _ = process.communicate()
-            returncode = None
+            overran = True
+        finally:  # past its budget, or this command was interrupted (Ctrl-C, a kill): the step stops with it
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    returncode = None if overran else process.returncode
     result = StepResult(step.name, shlex.join(command), step.budget_s, time.perf_counter() - started, returncode)
     if step.kind == "tests":
-        junit = out / f"{step.name}.xml"
         result.results = summarize_junit(junit) if junit.exists() else None
     elif returncode == 0:
         try:

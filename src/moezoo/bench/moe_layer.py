@@ -8,7 +8,8 @@ exceed the last-level cache together, and finds its weights where a model's laye
 before it. Measured in the same run: a dense matmul peak, against which each row's throughput is expressed, and the
 time to read the weights of the experts a case hits once, which no implementation can beat when each expert sees
 only a few tokens. Accuracy is measured against `eager`, and against `eager` in float64 (the exact result up to
-float64 rounding) so that each implementation's error stands beside `eager`'s own.
+float64 rounding) so that each implementation's error stands beside `eager`'s own. On the cases goals are set for
+(`ALL_TARGETS`: moezoo's CPU implementation, and its Triton kernels on a GPU), `check_targets` gives each its verdict.
 
 With `device="cuda"` the same cases run on a GPU (its L2 cache in place of the CPU's last-level cache), where moezoo's
 Triton kernels (`moezoo_triton`) take the place of its CPU implementation.
