@@ -257,7 +257,7 @@ class OmniMoeVlConfig(PreTrainedConfig):
     query_diversity_coef: float = 1.0
     router_query_diversity_coef: float = 0.05
     router_utility_coef: float = 0.35
-    router_utility: str = "grad"
+    router_utility: str = "none"  # the paper's "grad" costs one more backward through the LM: opt-in (spec D12)
     depth_balance_coef: float = 0.01
     depth_balance_min_scale: float = 0.25
     depth_balance_anneal_steps: int = 18000

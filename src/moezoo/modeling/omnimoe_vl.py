@@ -120,7 +120,16 @@ class OmniMoeVlModelOutputWithPast(MoeModelOutputWithPast):
 @dataclass
 class OmniMoeVlCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     r"""`MoeCausalLMOutputWithPast` plus the fields of `OmniMoeVlModelOutputWithPast` beyond its own. `aux_loss` is
-    the token experts' load-balancing loss of both stacks, weighted by their `router_aux_loss_coef`."""
+    the token experts' load-balancing loss of both stacks, weighted by their `router_aux_loss_coef`.
+
+    routing_loss (`()`, *optional*): in training with labels and an image, the weighted sum of the route's
+        objectives (spec §3.1), included in `loss`.
+    routing_losses (`dict[str, torch.Tensor]`, *optional*): each of those objectives unweighted, by name
+        (`OmniMoeVlProjector.routing_objectives`), for the training logs.
+    """
+
+    routing_loss: torch.Tensor | None = None
+    routing_losses: dict[str, torch.Tensor] | None = None
 
     image_outputs: OmniMoeVlVisionOutput | None = None
     image_hidden_states: torch.Tensor | None = None
@@ -585,7 +594,9 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
     ) -> OmniMoeVlCausalLMOutputWithPast:
         r"""See `OmniMoeVlModel.forward`. With `labels` and no `prompt_mask`, the supervised positions are left out of
         the default prompt, so that the route never sees the answer. With `output_router_logits`, `aux_loss` is the
-        load-balancing loss of both stacks' token experts, added to `loss` when there are labels."""
+        load-balancing loss of both stacks' token experts, added to `loss` when there are labels. In `train()` mode
+        with labels and an image, `loss` also holds the route's objectives (`routing_loss`, spec §3.1), weighted by the
+        schedules at the projector's `routing_step`, which the training callback advances once per optimizer step."""
         text_config = self.config.text_config
         if output_router_logits is None:
             output_router_logits = text_config.output_router_logits
@@ -607,9 +618,16 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
+        loss = routing_loss = routing_losses = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+        if loss is not None and self.training and outputs.depth_route is not None:
+            # In the model rather than in a Trainer, so that any trainer (TRL's SFTTrainer too) gets them in `loss`.
+            objectives = self.model.projector.routing_objectives(outputs, loss)
+            if objectives:
+                routing_loss = sum(weight * term for weight, term in objectives.values())
+                routing_losses = {name: term for name, (_, term) in objectives.items()}
+                loss = loss + routing_loss.to(loss.device)
         aux_loss = self._router_aux_loss(outputs) if output_router_logits else None
         if loss is not None and aux_loss is not None:
             loss = loss + aux_loss.to(loss.device)
@@ -621,6 +639,8 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
+            routing_loss=routing_loss,
+            routing_losses=routing_losses,
             **{name: outputs[name] for name in ROUTING_FIELDS if name in outputs},
         )
 

@@ -78,6 +78,60 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
+# --- routing objectives (spec §3.1; paper A.3) -----------------------------------------------------------------------
+
+# The route's objectives (`OmniMoeVlProjector.routing_objectives`), by name.
+ROUTING_OBJECTIVES = ("query_budget", "query_entropy", "query_diversity", "router_query_diversity", "router_utility",
+                      "depth_balance", "adapter_factor")
+
+
+def annealed_scale(step: int, min_scale: float, anneal_steps: int) -> float:
+    """The linear schedule of an annealed loss weight: 1 at step 0, falling to `min_scale` at `anneal_steps`, then
+    held (spec §3.1; the linear shape is spec D12's)."""
+    if step >= anneal_steps:
+        return min_scale
+    return 1.0 - (1.0 - min_scale) * step / anneal_steps
+
+
+def mean_squared_cosine(vectors: torch.Tensor) -> torch.Tensor:
+    """(B, M, d) -> (): mean over i != j of cos(v_i, v_j)^2, averaged over the batch (L_div, L_rdiv; spec D12)."""
+    count = vectors.shape[1]
+    if count < 2:
+        return vectors.new_zeros((), dtype=torch.float32)
+    unit = F.normalize(vectors.float(), dim=-1)
+    squared = (unit @ unit.transpose(1, 2)).square()  # (B, M, M)
+    off_diagonal = squared.sum(dim=(1, 2)) - squared.diagonal(dim1=1, dim2=2).sum(dim=-1)
+    return (off_diagonal / (count * (count - 1))).mean()
+
+
+def normalised_entropy(weights: torch.Tensor) -> torch.Tensor:
+    """(B, Q) distributions -> (B,): H(p) / ln Q, in [0, 1]."""
+    return -torch.special.xlogy(weights, weights).sum(dim=-1) / math.log(weights.shape[-1])
+
+
+def depth_balance(route: torch.Tensor, scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """L_bal = S sum_s f_s P_s (Switch style, spec D12): f_s the batch fraction of route slots on depth s (the route
+    actually taken, exploration included), P_s the batch mean of softmax(r / T)_s. 1 when both are uniform."""
+    slots = (route > 0).float()
+    fraction = slots.sum(dim=0) / slots.sum()
+    probability = torch.softmax(scores.float() / temperature, dim=-1).mean(dim=0)
+    return route.shape[-1] * (fraction * probability).sum()
+
+
+def utility_supervision(lm_loss: torch.Tensor, route: torch.Tensor, scores: torch.Tensor, temperature: float):
+    """L_util = KL(pi || softmax(r / T)), pi = softmax(g / std(g)) with g = -dL_LM/dw, the first-order utility of each
+    depth (Eq. 13; spec D12), held constant. One more backward through the language model (`autograd.grad`, which
+    leaves the parameters' gradients alone). Off the route's support w_s is 0, but the injection still reads stream
+    s, so its utility is defined there too. None when the route has no gradient (a frozen projector)."""
+    if not route.requires_grad:
+        return None
+    (gradient,) = torch.autograd.grad(lm_loss, route, retain_graph=True)
+    utility = -gradient.float()
+    target = torch.softmax(utility / utility.std(dim=-1, keepdim=True).clamp(min=1e-12), dim=-1)
+    log_probability = torch.log_softmax(scores.float() / temperature, dim=-1)
+    return F.kl_div(log_probability, target, reduction="batchmean")
+
+
 # --- outputs ---------------------------------------------------------------------------------------------------------
 
 
@@ -498,3 +552,57 @@ class OmniMoeVlProjector(nn.Module):
                 )
             routes.append(override.to(device=route.device, dtype=torch.float32))
         return routes[0], routes[1]
+
+    def routing_objectives(self, outputs, lm_loss: torch.Tensor) -> dict[str, tuple[float, torch.Tensor]]:
+        """The auxiliary objectives of spec §3.1 that train the route, as `{name: (weight, unweighted term)}`, from a
+        training forward's outputs (`query_weights`, `prompt_lengths`, `prototypes`, `router_queries`,
+        `depth_route`, `depth_scores`) and its language-model loss. The weights follow their schedules at this
+        router's `routing_step`; terms of weight 0 are not computed. The "-Q" ablation (`query_gate="none"`, uniform
+        p) has no participation, entropy nor prototype-diversity term (spec D12).
+
+            query_budget         L_q    (n_eff(p) - n_tgt(L_T))^2, batch mean (Eq. 4)    annealed 1 -> min_scale
+            query_entropy        L_ent  -sign H(p) / ln Q (sign +1 favours spread)         annealed 1 -> min_scale
+            query_diversity      L_div  mean_{i!=j} cos(q_i, q_j)^2
+            router_query_diversity  L_rdiv  mean_{r!=r'} cos(t_r, t_r')^2
+            router_utility       L_util KL(pi || softmax(r / T)) (`router_utility="grad"`; one more backward)
+            depth_balance        L_bal  S sum_s f_s P_s                                     annealed 1 -> min_scale
+            adapter_factor       L_fac  1/2 sum_l ||up_l||_F^2 + ||down_l||_F^2 (C.3)
+        """
+        config = self.config
+        step = int(self.depth_router.routing_step)
+        participation = outputs.query_weights
+        has_participation = config.query_gate != "none"
+        weights = {
+            "query_budget": has_participation * config.query_budget_coef * annealed_scale(
+                step, config.query_budget_min_scale, config.query_budget_anneal_steps),
+            "query_entropy": has_participation * config.query_entropy_coef * annealed_scale(
+                step, config.query_entropy_min_scale, config.query_entropy_anneal_steps),
+            "query_diversity": has_participation * config.query_diversity_coef,
+            "router_query_diversity": config.router_query_diversity_coef,
+            "router_utility": (config.router_utility == "grad") * config.router_utility_coef,
+            "depth_balance": config.depth_balance_coef * annealed_scale(
+                step, config.depth_balance_min_scale, config.depth_balance_anneal_steps),
+            "adapter_factor": config.adapter_factor_reg_coef,
+        }  # fmt: skip
+        terms = {
+            "query_budget": lambda: (
+                effective_count(participation)
+                - participation_target(outputs.prompt_lengths, config.participation_target_offset,
+                                       config.participation_target_min, config.participation_target_max)
+            ).square().mean(),
+            "query_entropy": lambda: -config.query_entropy_sign * normalised_entropy(participation).mean(),
+            "query_diversity": lambda: mean_squared_cosine(outputs.prototypes),
+            "router_query_diversity": lambda: mean_squared_cosine(outputs.router_queries),
+            "router_utility": lambda: utility_supervision(
+                lm_loss, outputs.depth_route, outputs.depth_scores, config.depth_temperature),
+            "depth_balance": lambda: depth_balance(outputs.depth_route, outputs.depth_scores, config.depth_temperature),
+            "adapter_factor": lambda: 0.5 * (
+                self.injection.adapter_up.float().square().sum() + self.injection.adapter_down.float().square().sum()),
+        }  # fmt: skip
+        objectives = {}
+        for name in ROUTING_OBJECTIVES:
+            weight = weights[name]
+            term = terms[name]() if weight else None
+            if term is not None:
+                objectives[name] = (float(weight), term)
+        return objectives
