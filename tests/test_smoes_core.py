@@ -307,7 +307,7 @@ def test_apply_smoes_uses_start_of_step_bins_then_updates_the_buffers():
     torch.testing.assert_close(losses.balance_loss, expected_balance)
     torch.testing.assert_close(losses.mi_loss, expected_mi)
     torch.testing.assert_close(losses.loss, 0.01 * expected_balance + 0.5 * expected_mi)
-    assert torch.equal(losses.bins, initial_bins.expand(2, -1))
+    assert all(torch.equal(bins, initial_bins) for bins in losses.bins)
     assert not losses.layer_mi.requires_grad and losses.layer_mi.shape == (2,)
 
     assert step.item() == 1
@@ -362,13 +362,15 @@ def test_apply_smoes_on_a_sigmoid_router_with_its_own_selection():
     torch.testing.assert_close(states[0].expert_counts_ema, 0.5 * counts)
 
 
-def test_apply_smoes_refuses_layers_that_recorded_nothing():
+def test_apply_smoes_needs_the_logits_and_scores_of_every_layer():
     states = [SmoesLayerState(4, 8, num_bins=2) for _ in range(2)]
     runtime = SmoesRuntime("hard", 2.0, 1e-5)
     runtime.start(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool))
     runtime.record_router_input(states[0], torch.randn(1, 3, 4))
-    with pytest.raises(ValueError, match=r"positions \[1\]"):
+    with pytest.raises(ValueError, match=r"positions \[1\]; start the runtime"):
         apply_smoes(_Config, states, runtime, [torch.randn(3, 8)] * 2, torch.zeros((), dtype=torch.long))
+    with pytest.raises(ValueError, match="2 MoE layer states but 1 router logits"):
+        apply_smoes(_Config, states, runtime, [torch.randn(3, 8)], torch.zeros((), dtype=torch.long))
 
 
 def test_layer_state_buffers_stay_float32_in_a_bfloat16_model():

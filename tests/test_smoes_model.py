@@ -129,7 +129,7 @@ def test_without_mi_the_loss_is_task_plus_bin_balance_by_the_reference_formula(b
     torch.testing.assert_close(output.smoes_bal_loss, balance)
     torch.testing.assert_close(output.loss, task_loss + 0.01 * balance)
     assert output.smoes_mi_loss.item() <= 0.0 and output.smoes_mi.shape == (4,)
-    assert torch.equal(output.smoes_bins, contiguous_bins(8, 2).expand(4, -1))
+    assert torch.equal(torch.stack(output.smoes_bins), contiguous_bins(8, 2).expand(4, -1))
 
 
 # --- training-time bookkeeping ---------------------------------------------------------------------------------------

@@ -220,13 +220,13 @@ class SmoesQwen3_5MoeCausalLMOutputWithPast(Qwen3_5MoeCausalLMOutputWithPast):
     smoes_bal_loss (`torch.FloatTensor` of shape `()`): the bin-level balance loss, reduced over MoE layers.
     smoes_mi_loss (`torch.FloatTensor` of shape `()`): minus the inter-bin mutual information, reduced over layers.
     smoes_mi (`torch.FloatTensor` of shape `(num_moe_layers,)`): each layer's batch-mean MI in nats, detached.
-    smoes_bins (`torch.LongTensor` of shape `(num_moe_layers, num_experts)`): the bins the losses used.
+    smoes_bins (`tuple[torch.LongTensor]`, one of shape `(num_experts,)` per MoE layer): the bins the losses used.
     """
 
     smoes_bal_loss: torch.FloatTensor | None = None
     smoes_mi_loss: torch.FloatTensor | None = None
     smoes_mi: torch.FloatTensor | None = None
-    smoes_bins: torch.LongTensor | None = None
+    smoes_bins: tuple[torch.LongTensor, ...] | None = None
 
 
 class SmoesQwen3_5MoeForConditionalGeneration(SmoesQwen3_5MoePreTrainedModel, Qwen3_5MoeForConditionalGeneration):

@@ -29,14 +29,14 @@ class SmoesLosses:
         balance_loss: the bin-level balance loss, reduced over MoE layers (`smoes_layer_reduction`).
         mi_loss: minus the batch-mean inter-bin mutual information, reduced over MoE layers.
         layer_mi: (L,) the batch-mean MI of each MoE layer in nats, detached, for logging.
-        bins: (L, E) the bins the losses used (those at the start of the step).
+        bins: per MoE layer, the (E,) bins the losses used (those at the start of the step).
     """
 
     loss: torch.Tensor
     balance_loss: torch.Tensor
     mi_loss: torch.Tensor
     layer_mi: torch.Tensor
-    bins: torch.Tensor
+    bins: tuple[torch.LongTensor, ...]
 
 
 def apply_smoes(
@@ -62,12 +62,16 @@ def apply_smoes(
             which is the selection of routers without a selection bias.
         router_type: `"softmax"` (gates = softmax of the logits) or `"sigmoid"` (normalised sigmoid affinities).
     """
-    unrecorded = [position for position, state in enumerate(states) if state not in runtime.layer_scores]
-    if len(router_logits) != len(states) or unrecorded:
+    if len(router_logits) != len(states):
         raise ValueError(
-            f"apply_smoes: {len(states)} MoE layer states and {len(router_logits)} router logits, and no scores were "
-            f"recorded for the MoE layers at positions {unrecorded}; each MoE layer needs both (was the runtime "
-            "started before the forward, and does every MoE block record its router input?)"
+            f"apply_smoes: {len(states)} MoE layer states but {len(router_logits)} router logits; pass one of each per "
+            "MoE layer, in the same order"
+        )
+    unrecorded = [position for position, state in enumerate(states) if state not in runtime.layer_scores]
+    if unrecorded:
+        raise ValueError(
+            f"apply_smoes: no scores were recorded for the MoE layers at positions {unrecorded}; start the runtime "
+            "before the forward and let every MoE block call runtime.record_router_input"
         )
     valid = runtime.valid
     current_step = int(step)
@@ -96,7 +100,7 @@ def apply_smoes(
         balance_loss=balance_loss,
         mi_loss=mi_loss,
         layer_mi=torch.stack(mi_terms).detach(),
-        bins=torch.stack([state.bins.clone() for state in states]),
+        bins=tuple(state.bins.clone() for state in states),
     )
     _update_buffers(config, states, runtime, selections, current_step)
     step.add_(1)
