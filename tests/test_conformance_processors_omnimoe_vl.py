@@ -25,17 +25,8 @@ class OmniMoeVlProcessorTest(ProcessorTesterMixin, unittest.TestCase):
     processor_class = OmniMoeVlProcessor
 
     @classmethod
-    def setUpClass(cls):
-        cls.tiny_processor = make_omnimoe_vl_processor(CONFIG)
-        super().setUpClass()
-
-    @classmethod
-    def _setup_image_processor(cls):
-        return cls.tiny_processor.image_processor
-
-    @classmethod
-    def _setup_tokenizer(cls):
-        return cls.tiny_processor.tokenizer
+    def _setup_from_components(cls):
+        return make_omnimoe_vl_processor(CONFIG)
 
     @staticmethod
     def prepare_processor_dict():

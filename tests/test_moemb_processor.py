@@ -113,8 +113,8 @@ def test_video_tokens_match_the_stock_replacement(processor, stock):
     frames = random_frames(count=6)
     batch = processor([{"instruction": "Describe.", "video": frames}])
     grid = batch["video_grid_thw"][0].tolist()
-    indices = sample_frame_indices(6, processor.num_frames)
-    metadata = VideoMetadata(total_num_frames=6, fps=processor.video_fps, frames_indices=indices)
+    indices = sample_frame_indices(6, processor.image_processor.num_frames)
+    metadata = VideoMetadata(total_num_frames=6, fps=processor.image_processor.video_fps, frames_indices=indices)
     video_inputs = {"video_grid_thw": batch["video_grid_thw"], "video_metadata": [metadata]}
     stock_block = stock.replace_video_token(video_inputs, 0)
     ids = batch["input_ids"][0].tolist()
@@ -270,7 +270,8 @@ def test_save_and_load(processor, tmp_path):
     AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
     processor.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "processor_config.json").read_text())
-    assert saved["num_frames"] == processor.num_frames and saved["emb_token"] == "<emb>"
+    assert saved["emb_token"] == "<emb>"
+    assert saved["image_processor"]["num_frames"] == processor.image_processor.num_frames
     assert saved["image_processor"]["patch_size"] == 4
     loaded = MoEmbProcessor.from_pretrained(tmp_path)
     items = ["a cat", {"instruction": "Find it.", "images": [random_image()], "video": random_frames()}]

@@ -127,8 +127,8 @@ MOEMB_CASES = {
     "video nested": (lambda p: p([{"video": [[IMAGE]]}]), ValueError, "video 0, frame 0 is a list; each image must"),
     "video greyscale": (lambda p: p([{"video": [GREY, GREY]}]), ValueError, "video 0, frame 0 .* Add a channel axis"),
     "an option nobody takes": (lambda p: p(["a cat"], sise=112), ValueError, "MoEmbProcessor has no option sise"),
-    "transformers' text= and images=": (lambda p: p(text=["a cat"], images=[IMAGE]), ValueError,
-                                        r"no option images, text: pass a list of inputs, each a text or a dict"),
+    "MoEMB's inputs and transformers' text=": (lambda p: p(queries=["a cat"], text=["a dog"]), ValueError,
+                                               "pass either MoEMB's inputs .* or transformers' text=, images= and"),
 }  # fmt: skip
 
 

@@ -112,8 +112,8 @@ def make_moemb_processor(config, tokenizer=None, **processor_options) -> MoEmbPr
     Qwen3.5's from the Hub otherwise).
 
     Tiny vocabularies also get tiny inputs, so that tests and demos run in seconds on a CPU: at most 16 tokens per
-    image and 4 per video frame pair, and 4 frames per video. `processor_options` override any
-    [`MoEmbProcessor`] argument.
+    image and 4 per video frame pair, and 4 frames per video (the image processor's frame settings).
+    `processor_options` override any [`MoEmbProcessor`] argument.
     """
     vision_config = config.vision_config
     tiny = config.text_config.vocab_size <= LARGEST_TINY_VOCABULARY
@@ -123,13 +123,17 @@ def make_moemb_processor(config, tokenizer=None, **processor_options) -> MoEmbPr
         )
     factor = vision_config.patch_size * vision_config.spatial_merge_size
     max_image_tokens = 16 if tiny else 1024
+    frame_settings = (
+        {"num_frames": 4, "video_size": {"shortest_edge": 2 * factor**2, "longest_edge": 4 * 4 * factor**2}}
+        if tiny
+        else {}
+    )
     image_processor = MoEmbImageProcessor(
         patch_size=vision_config.patch_size,
         temporal_patch_size=vision_config.temporal_patch_size,
         merge_size=vision_config.spatial_merge_size,
         size={"shortest_edge": 4 * factor**2, "longest_edge": max_image_tokens * factor**2},
+        **frame_settings,
     )
     options = {"emb_token": config.emb_token if config.pooling == "emb_token" else None}
-    if tiny:
-        options |= {"num_frames": 4, "video_size": {"shortest_edge": 2 * factor**2, "longest_edge": 4 * 4 * factor**2}}
     return MoEmbProcessor(image_processor, tokenizer, **(options | processor_options))

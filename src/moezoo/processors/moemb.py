@@ -31,6 +31,10 @@ format the backbone was pretrained on:
 `(num_patches, 3 * temporal_patch * patch^2)` with `image_grid_thw`, and `pixel_values_videos` with
 `video_grid_thw`. `processor(queries=..., targets=...)` returns `{"query": BatchFeature, "target": BatchFeature}`.
 
+**As a transformers processor**, `processor(text=..., images=..., videos=...)` takes prompts written beforehand, e.g.
+by `apply_chat_template` (whose default template writes the chat prompt above), with the options of transformers'
+processors (`ProcessorMixin._merge_kwargs`: `padding`, `max_length`, `num_frames`, ...), and gives the same outputs.
+
 Images go through `MoEmbImageProcessor` (transformers' PIL-backend Qwen2-VL image processor with Qwen3.5's patch
 16 and mean = std = 0.5). transformers' Qwen3-VL video processor needs torchvision, so `MoEmbVideoProcessor`
 re-implements it on PIL and numpy: the same frame sampling, `smart_resize` and patch layout; frames are resized with
@@ -46,13 +50,19 @@ from pathlib import Path
 import numpy as np
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_transforms import resize
-from transformers.image_utils import ChannelDimension, is_valid_image, load_image
+from transformers.image_utils import ChannelDimension, ImageInput, is_valid_image, load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as smart_resize_video
-from transformers.processing_utils import ProcessorMixin
+from transformers.processing_utils import MultiModalData, ProcessingKwargs, Unpack, VideosKwargs
+from transformers.tokenization_utils_base import TextInput
+from transformers.utils import logging
+from transformers.video_utils import VideoInput
 
 from .images import open_image
-from .inputs import check_image, describe
+from .inputs import ChecksInputs, check_image, describe, make_list_of_videos
+
+
+logger = logging.get_logger(__name__)
 
 EMB_TOKEN = "<emb>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -66,6 +76,29 @@ PROMPT_TEMPLATES = {
     "raw": "{content}{pooling_token}",
 }
 INPUT_KEYS = ("instruction", "text", "images", "video")
+# MoEMB's "chat" prompt for `apply_chat_template`: ChatML without Qwen3.5's thinking blocks, each message's items in
+# order (an image or a video as the chat template's wrapped placeholder), and as generation prompt the assistant turn
+# that holds the pooling token, appended by `chat_template_for`. Newlines are Jinja expressions: the tags'
+# whitespace control (`{%-`) would strip literal ones.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] }}{{ '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "<|im_end|>{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}"
+)
+# The options of MoEMB's own inputs (see `MoEmbProcessor`), with their defaults.
+DEFAULT_MAX_LENGTH = 8192
+EMBEDDING_OPTIONS = {"padding_side": "right", "max_length": DEFAULT_MAX_LENGTH, "return_tensors": "pt"}
+# What the image processor holds for videos, which processors saved before it did held themselves.
+FRAME_SETTINGS = ("num_frames", "video_size", "video_fps")
 FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
@@ -80,6 +113,12 @@ def add_emb_token(tokenizer, emb_token: str = EMB_TOKEN) -> int:
     return tokenizer.convert_tokens_to_ids(emb_token)
 
 
+def chat_template_for(emb_token: str | None) -> str:
+    """`CHAT_TEMPLATE` whose generation prompt ends with `emb_token` (none for last-token pooling), so that
+    `apply_chat_template(messages, add_generation_prompt=True)` writes the prompt MoEMB embeds."""
+    return CHAT_TEMPLATE + (emb_token or "") + "{%- endif -%}"
+
+
 class MoEmbImageProcessor(Qwen2VLImageProcessorPil):
     r"""
     Qwen3.5's image processor on transformers' PIL backend (no torchvision), with Qwen3.5's patching: 16 px patches,
@@ -89,6 +128,16 @@ class MoEmbImageProcessor(Qwen2VLImageProcessorPil):
     Each image is resized with `smart_resize` to multiples of `patch_size * merge_size` pixels, between
     `size["shortest_edge"]` and `size["longest_edge"]` pixels in area. The defaults keep every image between 4 and
     1024 visual tokens (spec §6.2, A-7).
+
+    It is also the frame processor of [`MoEmbVideoProcessor`] (transformers' video processors need torchvision), so
+    it saves the frame settings with its own; the processor's `num_frames`, `do_sample_frames` and `size` call
+    options override them:
+
+    - `num_frames` (8): frames sampled uniformly from each video (spec A-7);
+    - `video_size` (`None`): `{"shortest_edge", "longest_edge"}` bounds on the total pixels of a video's sampled
+      frames; `None` is Qwen3-VL's lower bound and at most 256 tokens per temporal step of `num_frames` frames;
+    - `video_fps` (2.0): the frame rate of the frames given, for the timestamps of the prompt (Qwen3-VL samples 2
+      frames per second from video files).
     """
 
     patch_size = 16
@@ -97,6 +146,9 @@ class MoEmbImageProcessor(Qwen2VLImageProcessorPil):
     image_mean = [0.5, 0.5, 0.5]
     image_std = [0.5, 0.5, 0.5]
     size = {"shortest_edge": 4 * 32 * 32, "longest_edge": 1024 * 32 * 32}
+    num_frames = 8
+    video_size = None
+    video_fps = 2.0
 
 
 def sample_frame_indices(num_total_frames: int, num_frames: int) -> list[int]:
@@ -163,55 +215,96 @@ def load_frames(video) -> list:
 
 class MoEmbVideoProcessor:
     r"""
-    Qwen3-VL's video preprocessing on PIL and numpy: `num_frames` frames sampled uniformly, all resized to one size
-    chosen by Qwen3-VL's video `smart_resize` (multiples of `patch_size * merge_size`, total pixels over the frames
-    between `size["shortest_edge"]` and `size["longest_edge"]`), rescaled and normalised like images, then patchified
-    (see `patchify_frames`).
+    Qwen3-VL's video preprocessing on PIL and numpy: `num_frames` frames sampled uniformly (or, with
+    `do_sample_frames=False`, every frame), all resized to one size chosen by Qwen3-VL's video `smart_resize`
+    (multiples of `patch_size * merge_size`, total pixels over the frames between `size["shortest_edge"]` and
+    `size["longest_edge"]`), rescaled and normalised like images, then patchified (see `patchify_frames`).
 
-    Built on access by [`MoEmbProcessor`] from its image processor, so both share patch sizes, normalisation and
-    resampling. Returns `pixel_values_videos`, `video_grid_thw` and `video_seconds`, the time of every temporal step
-    (frame index / `fps`), which the prompt shows.
+    Built on access by [`MoEmbProcessor`] from its image processor, which holds the frame settings (see
+    [`MoEmbImageProcessor`]), so that both share patch sizes, normalisation and resampling. Returns
+    `pixel_values_videos`, `video_grid_thw` and `video_seconds`, the time of every temporal step (frame index /
+    `video_fps`), which the prompt shows.
     """
 
-    def __init__(self, image_processor: MoEmbImageProcessor, num_frames: int, size: dict, fps: float):
-        self.image_processor = image_processor
-        self.num_frames = num_frames
-        self.size = size
-        self.fps = fps
+    valid_kwargs = VideosKwargs
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    def __call__(self, videos: list) -> BatchFeature:
+    def __init__(self, image_processor: MoEmbImageProcessor):
+        self.image_processor = image_processor
+
+    def __call__(
+        self,
+        videos: list,
+        num_frames: int | None = None,
+        do_sample_frames: bool = True,
+        size: dict | None = None,
+        return_tensors: str | None = None,
+        **unknown,
+    ) -> BatchFeature:
+        """Process a list of videos, each a list of frames (images or paths), a 4D array or a folder of frames."""
+        # Options left at None ask for nothing (`fps=None`: no sampling by frame rate, which needs video metadata).
+        unknown = [name for name, value in unknown.items() if value is not None]
+        if unknown:
+            raise ValueError(
+                f"MoEMB's video processor has no option {', '.join(sorted(unknown))}; it takes num_frames, "
+                "do_sample_frames and size (the image options of the image processor apply to frames too)"
+            )
         processor = self.image_processor
-        factor = processor.patch_size * processor.merge_size
+        num_frames = processor.num_frames if num_frames is None else num_frames
+        if not isinstance(num_frames, int) or num_frames < 1:
+            raise ValueError(f"num_frames must be a positive integer, got {num_frames!r}")
         pixel_values, grids, seconds = [], [], []
         for index, video in enumerate(videos):
             frames = load_frames(video)
             for number, frame in enumerate(frames):
                 check_image(frame, f"video {index}, frame {number}", paths=True)
-            indices = sample_frame_indices(len(frames), self.num_frames)
+            indices = sample_frame_indices(len(frames), num_frames) if do_sample_frames else range(len(frames))
             frames = [processor.process_image(_open(frames[i]), do_convert_rgb=True) for i in indices]
             sizes = {frame.shape[-2:] for frame in frames}
             if len(sizes) > 1:
                 raise ValueError(f"the frames of a video must share one size, got {sorted(sizes)}")
-            # Qwen3-VL needs at least one full temporal patch to size a video.
-            height, width = smart_resize_video(
-                max(len(frames), processor.temporal_patch_size), *frames[0].shape[-2:],
-                temporal_factor=processor.temporal_patch_size, factor=factor,
-                min_pixels=self.size["shortest_edge"], max_pixels=self.size["longest_edge"],
-            )  # fmt: skip
+            height, width = self._resized_size(len(frames), *frames[0].shape[-2:], size or self._size(num_frames))
             frames = np.stack([self._frame(frame, height, width) for frame in frames])
             patches, grid = patchify_frames(
                 frames, processor.patch_size, processor.merge_size, processor.temporal_patch_size
             )
             pixel_values.append(patches)
             grids.append(grid)
-            seconds.append(temporal_step_seconds(indices, self.fps, processor.temporal_patch_size))
-        return BatchFeature(
-            {
-                "pixel_values_videos": np.concatenate(pixel_values).astype(np.float32),
-                "video_grid_thw": np.array(grids, dtype=np.int64),
-                "video_seconds": seconds,
-            }
-        )
+            seconds.append(temporal_step_seconds(list(indices), processor.video_fps, processor.temporal_patch_size))
+        data = {
+            "pixel_values_videos": np.concatenate(pixel_values).astype(np.float32),
+            "video_grid_thw": np.array(grids, dtype=np.int64),
+            "video_seconds": seconds,
+        }
+        return BatchFeature(data, tensor_type=return_tensors, skip_tensor_conversion=["video_seconds"])
+
+    def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs: dict | None = None):
+        """The number of patches of a video of `num_frames` frames (those it has once sampled) of `height` x `width`
+        pixels, processed with `videos_kwargs` (the call options), as Qwen3-VL's video processor counts them."""
+        videos_kwargs = videos_kwargs or {}
+        processor = self.image_processor
+        size = videos_kwargs.get("size") or self._size(videos_kwargs.get("num_frames") or processor.num_frames)
+        height, width = self._resized_size(num_frames, height, width, size)
+        grid_t = -(-num_frames // processor.temporal_patch_size)
+        return grid_t * (height // processor.patch_size) * (width // processor.patch_size)
+
+    def _size(self, num_frames: int) -> dict:
+        """The image processor's `video_size`, or by default Qwen3-VL's lower bound and at most 256 tokens per
+        temporal step of `num_frames` frames (spec A-7)."""
+        processor = self.image_processor
+        if processor.video_size is not None:
+            return processor.video_size
+        token_area = (processor.patch_size * processor.merge_size) ** 2  # pixels per visual token
+        return {"shortest_edge": 128 * token_area, "longest_edge": num_frames * 256 * token_area}
+
+    def _resized_size(self, num_frames: int, height: int, width: int, size: dict) -> tuple[int, int]:
+        processor = self.image_processor
+        # Qwen3-VL needs at least one full temporal patch to size a video.
+        return smart_resize_video(
+            max(num_frames, processor.temporal_patch_size), height, width,
+            temporal_factor=processor.temporal_patch_size, factor=processor.patch_size * processor.merge_size,
+            min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"],
+        )  # fmt: skip
 
     def _frame(self, frame: np.ndarray, height: int, width: int) -> np.ndarray:
         processor = self.image_processor
@@ -236,14 +329,46 @@ def _open(image):
     return load_image(image) if str(image).startswith(("http://", "https://")) else open_image(image)
 
 
-class MoEmbProcessor(ProcessorMixin):
+def is_image_input(images) -> bool:
+    """Whether `images` holds images as transformers' processors take them (an image, or a list, or a list of lists
+    per text, of images) rather than MoEMB's own inputs (texts and dicts)."""
+    if isinstance(images, (list, tuple)):
+        return len(images) > 0 and all(
+            is_image_input(entry) or (isinstance(entry, (list, tuple)) and not entry) for entry in images
+        )
+    return is_valid_image(images)
+
+
+def last_real_token(attention_mask_row) -> int:
+    """The position of the last real token of a row (where MoEMB's prompts hold `<emb>`), whichever side it is
+    padded on."""
+    return int(np.flatnonzero(np.asarray(attention_mask_row))[-1])
+
+
+class MoEmbProcessor(ChecksInputs):
     r"""
     Formats instructions with queries or targets for MoEMB and batches text, image, video and mixed inputs in the
     Qwen3.5 format (see the module docstring).
 
+    It takes inputs two ways:
+
+    - MoEMB's own: `processor(inputs)`, a list of inputs (texts, or dicts with keys among `instruction`, `text`,
+      `images` and `video`), or `processor(queries=..., targets=...)`, with the options `padding_side` ("right"),
+      `max_length` (8192: longer inputs lose the end of their text, never the instruction, the visual tokens or
+      `<emb>`) and `return_tensors` ("pt"). The prompt template and `<emb>` are added here.
+    - transformers': `processor(text=..., images=..., videos=...)` on prompts written beforehand, each image and video
+      placed by one `<|image_pad|>` or `<|video_pad|>` (the chat template's wrapped placeholders too), exactly as
+      Qwen3.5's stock processor (`Qwen3VLProcessor`) expands them; options are routed to the tokenizer, the image
+      processor and the video processor through `ProcessorMixin._merge_kwargs`, and `return_tensors` defaults to
+      `None`, as Qwen3-VL's.
+
+    Both return `input_ids`, `attention_mask`, `mm_token_type_ids`, `pooled_index` (the last real token of each row,
+    `<emb>` in MoEMB's prompts) and the visual inputs of the module docstring. A list of strings given alone is a list
+    of texts to embed: image paths go in `images=` beside `text=`, or in the inputs' `images`.
+
     Args:
         image_processor ([`MoEmbImageProcessor`]):
-            Images and, through [`MoEmbVideoProcessor`], video frames.
+            Images and, through [`MoEmbVideoProcessor`], video frames; it holds the frame settings.
         tokenizer ([`PreTrainedTokenizerBase`]):
             Qwen3.5's tokenizer with `<emb>` added (`add_emb_token`); it must know the chat and vision tokens.
         emb_token (`str` or `None`, *optional*, defaults to `"<emb>"`):
@@ -251,18 +376,14 @@ class MoEmbProcessor(ProcessorMixin):
             (last-token pooling of the template's last token, the ablation of Table 5).
         prompt_template (`str`, *optional*, defaults to `"chat"`):
             `"chat"` (a user turn, `<emb>` as the assistant's first token) or `"raw"` (spec A-6).
-        num_frames (`int`, *optional*, defaults to 8):
-            Frames sampled per video (spec A-7).
-        video_size (`dict`, *optional*):
-            `{"shortest_edge", "longest_edge"}` bounds on the total pixels of a video's sampled frames; defaults to
-            at most 256 tokens per temporal step of `num_frames` frames.
-        video_fps (`float`, *optional*, defaults to 2.0):
-            The frame rate of the frames given, for the timestamps of the prompt (Qwen3-VL samples 2 frames per
-            second from video files).
-        max_length (`int`, *optional*, defaults to 8192):
-            Longest input in tokens. Longer inputs lose the end of their text (never the instruction, the visual
-            tokens or `<emb>`); inputs whose visual tokens alone are too long raise an error.
+        chat_template (`str`, *optional*):
+            The Jinja template of `apply_chat_template`; defaults to MoEMB's chat prompt (`chat_template_for`):
+            ChatML, each message's images, videos and texts in order, and with `add_generation_prompt=True` the
+            assistant turn with `emb_token`, what MoEMB embeds.
     """
+
+    # As Qwen3-VL's processor: every call returns the token types, which MoEMB's modality routes read.
+    return_mm_token_type_ids = True
 
     def __init__(
         self,
@@ -270,27 +391,13 @@ class MoEmbProcessor(ProcessorMixin):
         tokenizer,
         emb_token: str | None = EMB_TOKEN,
         prompt_template: str = "chat",
-        num_frames: int = 8,
-        video_size: dict | None = None,
-        video_fps: float = 2.0,
-        max_length: int = 8192,
         chat_template=None,
     ):
-        super().__init__(image_processor, tokenizer, chat_template=chat_template)
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or chat_template_for(emb_token))
         if prompt_template not in PROMPT_TEMPLATES:
             raise ValueError(f"prompt_template must be one of {', '.join(PROMPT_TEMPLATES)}, got {prompt_template!r}")
-        if num_frames < 1:
-            raise ValueError(f"num_frames must be at least 1, got {num_frames}")
         self.emb_token = emb_token
         self.prompt_template = prompt_template
-        self.num_frames = num_frames
-        token_area = (image_processor.patch_size * image_processor.merge_size) ** 2  # pixels per visual token
-        # Qwen3-VL's lower bound; at most 256 tokens per frame (spec A-7).
-        self.video_size = video_size or {
-            "shortest_edge": 128 * token_area, "longest_edge": num_frames * 256 * token_area
-        }
-        self.video_fps = video_fps
-        self.max_length = max_length
 
         self.image_token, self.video_token = IMAGE_TOKEN, VIDEO_TOKEN
         required = [IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END]
@@ -312,11 +419,26 @@ class MoEmbProcessor(ProcessorMixin):
         )
         self._any_placeholder = re.compile(f"({self._image_placeholder.pattern}|{self._video_placeholder.pattern})")
 
+    @classmethod
+    def from_args_and_dict(cls, args, processor_dict: dict, **kwargs):
+        # Folders saved before the frame settings moved to the image processor hold them in the processor's own
+        # config: they go to the image processor, which owns them now. `max_length` became a call option.
+        image_processor = args[cls.get_attributes().index("image_processor")]
+        for key in FRAME_SETTINGS:
+            if key in processor_dict:
+                setattr(image_processor, key, processor_dict.pop(key))
+        if processor_dict.pop("max_length", DEFAULT_MAX_LENGTH) != DEFAULT_MAX_LENGTH:
+            logger.warning(
+                "this processor was saved with a max_length of its own, which is now a call option: pass "
+                f"max_length= when calling it (the default is {DEFAULT_MAX_LENGTH})"
+            )
+        return super().from_args_and_dict(args, processor_dict, **kwargs)
+
     @property
     def video_processor(self) -> MoEmbVideoProcessor:
         # Built on access, not stored: ProcessorMixin would save and load a stored one with AutoVideoProcessor,
         # whose Qwen3-VL class needs torchvision.
-        return MoEmbVideoProcessor(self.image_processor, self.num_frames, self.video_size, self.video_fps)
+        return MoEmbVideoProcessor(self.image_processor)
 
     @property
     def model_input_names(self) -> list[str]:
@@ -325,35 +447,104 @@ class MoEmbProcessor(ProcessorMixin):
             "pixel_values_videos", "video_grid_thw",
         ]  # fmt: skip
 
+    @property
+    def unused_input_names(self) -> list[str]:
+        # The timestamps are written into the prompt; the model does not take them.
+        return ["video_seconds"]
+
     def __call__(
         self,
-        inputs=None,
+        images: ImageInput | None = None,
+        text: TextInput | list[TextInput] | None = None,
+        videos: VideoInput | None = None,
         *,
-        queries=None,
-        targets=None,
-        padding_side: str = "right",
-        max_length: int | None = None,
-        return_tensors: str | None = "pt",
-        **unknown,
+        queries: list | None = None,
+        targets: list | None = None,
+        **kwargs: Unpack[ProcessingKwargs],
     ):
         """
-        Process a list of inputs (dicts or strings, see the module docstring) into one batch, or `queries` and
-        `targets` into `{"query": batch, "target": batch}`.
+        Process a list of inputs (dicts or strings, see the module docstring, passed as the first argument) into one
+        batch, `queries` and `targets` into `{"query": batch, "target": batch}`, or prompts written beforehand
+        (`text`) with their `images` and `videos`, as transformers' processors do.
         """
-        if unknown:
-            # Users of transformers' processors write text=..., images=...: say how this one takes them.
+        if queries is not None or targets is not None or (
+            text is None and videos is None and images is not None and not is_image_input(images)
+        ):
+            return self._embedding_inputs(images, queries, targets, text, videos, **kwargs)
+        inputs = super().__call__(images=images, text=text, videos=videos, **kwargs)
+        if "input_ids" in inputs:
+            inputs["pooled_index"] = [last_real_token(np.asarray(row)) for row in inputs["attention_mask"]]
+        # pooled_index joins the other outputs in the tensor type asked for, flat or in text_kwargs or common_kwargs.
+        text_kwargs = self._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)["text_kwargs"]
+        return BatchFeature(
+            dict(inputs), tensor_type=text_kwargs.get("return_tensors"), skip_tensor_conversion=self.skip_tensor_conversion
+        )
+
+    def _embedding_inputs(self, inputs, queries, targets, text, videos, **options) -> BatchFeature | dict:
+        """MoEMB's own API (see the class docstring): `inputs` is the list given as first argument."""
+        if text is not None or videos is not None:
             raise ValueError(
-                f"MoEmbProcessor has no option {', '.join(sorted(unknown))}: pass a list of inputs, each a text or a "
-                f"dict with keys among {', '.join(INPUT_KEYS)} (processor(['a cat', {{'images': [image]}}])), or "
-                "queries= and targets=; its options are padding_side, max_length and return_tensors"
+                "pass either MoEMB's inputs (a list of texts and dicts, or queries= and targets=) or transformers' "
+                "text=, images= and videos=, not both"
+            )
+        unknown = sorted(set(options) - set(EMBEDDING_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"MoEmbProcessor has no option {', '.join(unknown)}: pass a list of inputs, each a text or a dict "
+                f"with keys among {', '.join(INPUT_KEYS)} (processor(['a cat', {{'images': [image]}}])), or queries= "
+                f"and targets=; their options are {', '.join(EMBEDDING_OPTIONS)}"
             )
         if (inputs is None) == (queries is None and targets is None):
             raise ValueError("pass either a list of inputs, or queries= and/or targets=")
-        options = {"padding_side": padding_side, "max_length": max_length, "return_tensors": return_tensors}
+        options = EMBEDDING_OPTIONS | options
         if inputs is not None:
             return self._batch(inputs, **options)
         sides = {"query": queries, "target": targets}
         return {side: self._batch(items, **options) for side, items in sides.items() if items is not None}
+
+    # --- transformers' placeholders -------------------------------------------------------------------------------
+
+    def prepare_inputs_layout(self, images=None, text=None, videos=None, audio=None, **kwargs):
+        images, text, videos, audio = super().prepare_inputs_layout(images, text, videos, audio, **kwargs)
+        if text is not None:
+            # A video's steps bring their own vision start and end (`video_block`): the template's pair around the
+            # placeholder goes, as qwen-vl-utils and the original Qwen3-VL processor do (spec A-34).
+            text = [sample.replace(VISION_START + VIDEO_TOKEN + VISION_END, VIDEO_TOKEN) for sample in text]
+        return images, text, videos, audio
+
+    def _process_videos(self, videos, **kwargs):
+        return super()._process_videos(make_list_of_videos(videos), **kwargs)
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        return IMAGE_TOKEN * int(image_inputs["image_grid_thw"][image_idx].prod() // self.image_processor.merge_size**2)
+
+    def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
+        grid = video_inputs["video_grid_thw"][video_idx].tolist()
+        return self.video_block(grid, video_inputs["video_seconds"][video_idx])
+
+    def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs) -> MultiModalData:
+        """
+        The number of placeholder tokens of images of `image_sizes` ((height, width) pairs) and videos of
+        `video_sizes` ((num_frames, height, width)), processed with the call options `kwargs`: what vLLM sizes its
+        placeholders by. A video's count is of its `<|video_pad|>` tokens, without its timestamps.
+        """
+        merged_kwargs = self._merge_kwargs(**kwargs)
+        merge_length = self.image_processor.merge_size**2
+        vision_data = {}
+        if image_sizes is not None:
+            images_kwargs = merged_kwargs["images_kwargs"]
+            num_image_patches = [
+                self.image_processor.get_number_of_image_patches(*size, images_kwargs) for size in image_sizes
+            ]
+            vision_data["num_image_patches"] = num_image_patches
+            vision_data["num_image_tokens"] = [patches // merge_length for patches in num_image_patches]
+        if video_sizes is not None:
+            videos_kwargs = merged_kwargs["videos_kwargs"]
+            vision_data["num_video_tokens"] = [
+                self.video_processor.get_num_of_video_patches(*size, videos_kwargs) // merge_length
+                for size in video_sizes
+            ]
+        return MultiModalData(**vision_data)
 
     # --- prompts --------------------------------------------------------------------------------------------------
 
@@ -441,7 +632,7 @@ class MoEmbProcessor(ProcessorMixin):
             item_image_tokens = [next(image_tokens) for _ in item["images"]]
             item_video_blocks = [next(video_blocks)] if item["video"] is not None else []
             input_ids.append(
-                self._tokenize(item, item_image_tokens, item_video_blocks, max_length or self.max_length, index)
+                self._tokenize(item, item_image_tokens, item_video_blocks, max_length or DEFAULT_MAX_LENGTH, index)
             )
 
         text = self.tokenizer.pad(
@@ -449,10 +640,7 @@ class MoEmbProcessor(ProcessorMixin):
         )
         data["input_ids"], data["attention_mask"] = text["input_ids"], text["attention_mask"]
         data["mm_token_type_ids"] = np.array(self.create_mm_token_type_ids(text["input_ids"]))
-        # The pooled token is the last real token of each row.
-        lengths = text["attention_mask"].sum(-1)
-        last = text["input_ids"].shape[1] - 1
-        data["pooled_index"] = lengths - 1 if padding_side == "right" else np.full_like(lengths, last)
+        data["pooled_index"] = np.array([last_real_token(row) for row in text["attention_mask"]])
         return BatchFeature(data, tensor_type=return_tensors)
 
     def _tokenize(self, item: dict, image_tokens: list[int], video_blocks: list[str], max_length: int, index: int):
