@@ -84,13 +84,16 @@ def test_the_test_selection_takes_every_kernel_test_and_the_gpu_ones_elsewhere()
 
 @pytest.mark.slow
 def test_a_run_writes_the_report_after_every_step(tmp_path):
-    """The runner on CPU-sized steps: failed tests, a bench that runs, one that fails, one stopped at its budget."""
+    """The runner on CPU-sized steps, offline: failed tests, a bench that runs, one that fails, one stopped at its
+    budget."""
     test_file = tmp_path / "test_sample.py"
     test_file.write_text(textwrap.dedent("""
+        import os
+
         import pytest
 
         def test_passes():
-            pass
+            assert os.environ["HF_HUB_OFFLINE"] == "1"  # the GPU machine may have no network
 
         @pytest.mark.skip(reason="needs a GPU library")
         def test_skipped():

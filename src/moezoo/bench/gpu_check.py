@@ -153,8 +153,10 @@ def run_step(step: Step, out: Path) -> StepResult:
     stdout, overran = "", False
     with log_path.open("w") as log:
         # A session of its own, so that the step's processes (pytest's workers too) can be stopped together.
+        # Offline: on a machine without network a Hub request would wait for its timeout, not fail.
         process = subprocess.Popen(
-            command, cwd=REPOSITORY, stdout=subprocess.PIPE if step.kind == "bench" else log,
+            command, cwd=REPOSITORY, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.PIPE if step.kind == "bench" else log,
             stderr=log if step.kind == "bench" else subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         try:
