@@ -21,7 +21,6 @@ test (the chat templates have no tools).
 
 import unittest
 
-import numpy as np
 from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorPil
 
 from moezoo.configuration.mote import TINY_GLM_OCR_MOTE, TINY_VIDEOLLM_MOTE, GlmOcrMoteConfig, VideoLlmMoteConfig

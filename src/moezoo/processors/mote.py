@@ -800,7 +800,7 @@ class VideoLlmMoteProcessor(ChecksInputs, MoteRoutingMixin):
     def frame_token_types(self, input_ids, order: list[list[str]], streams: dict) -> list[list[int]]:
         """
         transformers' `mm_token_type_ids`: 1 on the placeholders of an image, 2 on those of a video, 0 elsewhere.
-        Both are `video_token`, so each text's placeholders are given to its streams in order, frame by frame.
+        Both are `video_token`: the placeholders of a text belong to its streams (`order`) one after the other.
         """
         frame_counts = {kind: iter(len(frames) for frames in streams[kind] or ()) for kind in streams}
         token_types = []
@@ -811,13 +811,14 @@ class VideoLlmMoteProcessor(ChecksInputs, MoteRoutingMixin):
                 for _ in range(next(frame_counts[kind]) * self.frame_num_tokens)
             ]
             owner = iter(owners)
-            token_types.append([next(owner) if token == self.video_token_id else 0 for token in list(ids)])
+            token_types.append([next(owner) if token == self.video_token_id else 0 for token in ids])
         return token_types
 
     def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs) -> MultiModalData:
         """
-        The placeholder tokens of images of `image_sizes` and of videos of `video_sizes` (frames, height, width)
-        taken frame by frame: each frame costs `frame_num_tokens`, whatever its size (frames are letterboxed).
+        The placeholder tokens of images of `image_sizes` and of videos of `video_sizes` (frames, height, width), the
+        videos' frames taken as given (their source rate is unknown here), at most `max_num_frames`: each frame costs
+        `frame_num_tokens` whatever its size, since frames are letterboxed.
         """
         vision_data = {}
         if image_sizes is not None:
