@@ -42,7 +42,7 @@ from .moe.block import SparseMoeBlock
 from .moe.experts import SwiGLUMLP
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss, router_z_loss
-from .moe.pretrained import MoePreTrainedMixin, checkpoints_reentrantly
+from .moe.pretrained import MoePreTrainedMixin, WithoutFusedExpertsMixin, checkpoints_reentrantly
 from .moe.router import TopKRouter
 from .moe.spec import MoeLayerSpec
 
@@ -429,7 +429,8 @@ class MoeVieMultiheadAttentionPoolingHead(nn.Module):
 class MoeViePreTrainedModel(PreTrainedModel):
     """What the three models share. The two that hold the sparse vision tower add `MoePreTrainedMixin`, which makes
     `experts_implementation` switchable although the experts live in the core (the transformers heuristic only reads
-    this file) and registers moezoo's experts implementation; the text tower is dense and has neither."""
+    this file) and registers moezoo's experts implementation; the dense text tower adds `WithoutFusedExpertsMixin`,
+    which lets it take the choice `MoeVieModel` hands to both towers."""
 
     config: MoeVieConfig
     base_model_prefix = "moe_vie"
@@ -536,7 +537,7 @@ class MoeVieVisionModel(MoePreTrainedMixin, MoeViePreTrainedModel):
         )
 
 
-class MoeVieTextModel(MoeViePreTrainedModel):
+class MoeVieTextModel(WithoutFusedExpertsMixin, MoeViePreTrainedModel):
     """The text tower; `pooler_output` is the hidden state at the first EOS (`pooling_type="eos"`) or at the last
     position (`"last"`), before the projection."""
 

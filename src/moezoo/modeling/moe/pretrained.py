@@ -25,6 +25,22 @@ class MoePreTrainedMixin:
         return super().get_correct_experts_implementation(requested_experts or SORTED_EXPERTS_IMPLEMENTATION)
 
 
+class WithoutFusedExpertsMixin:
+    """For a zoo model without fused experts, placed before its `PreTrainedModel` base: a dense tower of a composite
+    model, or MoTE, whose task experts are whole FFNs run one route at a time. It takes every experts implementation,
+    which changes nothing there.
+
+    transformers hands `experts_implementation=` to every sub-config, and refuses `"grouped_mm"` on a model class
+    whose file lacks `@use_experts_implementation` ("does not support setting experts implementation"), so one
+    dense tower would fail a whole composite model. `_can_set_experts_implementation` stays False, as it is for
+    transformers' dense models: transformers reads it as "has experts behind the interface" (its common tests then
+    expect them to run), and `set_experts_implementation` leaves such a model's config as it is.
+    """
+
+    def _grouped_mm_can_dispatch(self) -> bool:
+        return True  # no experts to dispatch
+
+
 def checkpoints_reentrantly(model: nn.Module) -> bool:
     """Whether a training forward of `model` runs its layers under reentrant activation checkpointing
     (`use_reentrant=True`; transformers' default is the non-reentrant variant). Reentrant checkpointing runs each

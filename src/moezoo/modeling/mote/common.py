@@ -36,7 +36,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from ...configuration.mote import LEARNED_ROUTING_MODES, ROUTING_MODES, check_expert_name
 from ..moe.initialization import init_moe_module
 from ..moe.losses import load_balancing_loss
-from ..moe.pretrained import checkpoints_reentrantly
+from ..moe.pretrained import WithoutFusedExpertsMixin, checkpoints_reentrantly
 from ..moe.router import TopKRouter
 from ..moe.spec import MoeLayerSpec
 
@@ -294,8 +294,9 @@ def router_aux_loss(config, router_logits, attention_mask: torch.Tensor | None) 
 # --- model-level API: expert management and parameter accounting (spec §2.8, §3.3-3.6) ----------------------------
 
 
-class MoteExpertsMixin:
-    """Expert management and accounting for every MoTE model, placed before its `PreTrainedModel` base.
+class MoteExpertsMixin(WithoutFusedExpertsMixin):
+    """Expert management and accounting for every MoTE model, placed before its `PreTrainedModel` base. Its task
+    experts are whole FFNs, which no experts implementation runs: `WithoutFusedExpertsMixin` lets it take any.
 
     Every operation acts on all MoTE layers at once and keeps the text config's registry (`mote_expert_names`,
     `mote_expert_descriptions`) in sync, so that `save_pretrained` / `from_pretrained` round-trips the experts.

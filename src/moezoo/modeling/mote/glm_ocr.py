@@ -22,6 +22,7 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 
 from ...configuration.mote import GlmOcrMoteConfig, GlmOcrMoteTextConfig
+from ..moe.pretrained import WithoutFusedExpertsMixin
 from .common import (
     ROUTER_LOGITS,
     MoteExpertsMixin,
@@ -111,12 +112,17 @@ class GlmOcrMoteTextModel(MoteTextModelMixin, GlmOcrMotePreTrainedModel, GlmOcrT
         self.post_init()
 
 
+class GlmOcrMoteVisionModel(WithoutFusedExpertsMixin, GlmOcrVisionModel):
+    """GLM-OCR's vision tower, unchanged but for `WithoutFusedExpertsMixin`: it takes the experts implementation given
+    to the whole model, which transformers hands to every sub-config."""
+
+
 class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
     """`GlmOcrModel` (CogViT vision tower and merger, unchanged) with the MoTE decoder."""
 
     def __init__(self, config: GlmOcrMoteConfig):
         PreTrainedModel.__init__(self, config)
-        self.visual = GlmOcrVisionModel._from_config(config.vision_config)
+        self.visual = GlmOcrMoteVisionModel._from_config(config.vision_config)
         self.language_model = GlmOcrMoteTextModel._from_config(config.text_config)
         self.rope_deltas = None  # GlmOcrModel caches the M-RoPE offsets of the prefill here
         self.post_init()

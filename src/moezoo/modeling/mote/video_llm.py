@@ -16,6 +16,7 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 
 from ...configuration.mote import VideoLlmMoteConfig
+from ..moe.pretrained import WithoutFusedExpertsMixin
 from .common import (
     MoteExpertsMixin,
     MoteGenerationMixin,
@@ -45,14 +46,22 @@ class VideoLlmMoteMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(frame_tokens)))
 
 
+class VideoLlmMoteVisionModel(WithoutFusedExpertsMixin, SiglipVisionModel):
+    """SigLIP's vision tower, unchanged but for `WithoutFusedExpertsMixin`: it takes the experts implementation given
+    to the whole model, which transformers hands to every sub-config."""
+
+
 class VideoLlmMotePreTrainedModel(MoteExpertsMixin, PreTrainedModel):
     config: VideoLlmMoteConfig
     base_model_prefix = "model"
     input_modalities = ("video", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["LlamaMoteDecoderLayer", "SiglipEncoderLayer"]
+    # The attention of both towers goes through transformers' interface; LlamaModel and SiglipVisionModel declare the
+    # same backends.
     _supports_flash_attn = True
     _supports_sdpa = True
+    _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = False
 
@@ -62,7 +71,7 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
 
     def __init__(self, config: VideoLlmMoteConfig):
         super().__init__(config)
-        self.vision_tower = SiglipVisionModel._from_config(config.vision_config)
+        self.vision_tower = VideoLlmMoteVisionModel._from_config(config.vision_config)
         self.multi_modal_projector = VideoLlmMoteMultiModalProjector(config)
         self.language_model = LlamaMoteModel._from_config(config.text_config)
         self.post_init()
