@@ -16,6 +16,7 @@ from parameterized import parameterized
 
 from moezoo.configuration.moe_vie import MoeVieConfig, MoeVieTextConfig, MoeVieVisionConfig
 from moezoo.modeling.moe_vie import MoeVieModel, MoeVieTextModel, MoeVieVisionModel
+from transformers_tests.routed_experts import RoutedExpertsTests
 from transformers_tests.test_configuration_common import ConfigTester
 from transformers_tests import test_modeling_common
 from transformers_tests.test_modeling_common import (
@@ -154,7 +155,7 @@ class MoeVieVisionModelTester:
         return config, inputs
 
 
-class MoeVieVisionModelTest(SingleTowerSkips, ModelTesterMixin, unittest.TestCase):
+class MoeVieVisionModelTest(SingleTowerSkips, RoutedExpertsTests, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (MoeVieVisionModel,)
     # What the common tests that build their own batch (eager vs sdpa) pass besides `pixel_values`.
     additional_model_inputs = ["pixel_attention_mask", "spatial_shapes"]
@@ -337,7 +338,7 @@ class MoeVieModelTester:
         return config, inputs
 
 
-class MoeVieModelTest(ModelTesterMixin, unittest.TestCase):
+class MoeVieModelTest(RoutedExpertsTests, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (MoeVieModel,)
     additional_model_inputs = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
     test_resize_embeddings = False

@@ -8,8 +8,9 @@ gradients.
 
 No test is skipped here: the common tests skip themselves where they need an accelerator, flash-attn, DeepSpeed or
 kernels, or where they do not apply (a composite-model test on a text model and the reverse, checkpoint conversion
-mappings, which no zoo class has). GLM-OCR-MoTE overrides the two input-embedding tests as `GlmOcrModelTest` does;
-VideoLLM-MoTE applies the multimodal-outputs test, written for images, to its videos.
+mappings, which no zoo class has). `test_moe_models_record_router_logits`, which skips itself on a model file without
+`@use_experts_implementation`, runs through `RoutedExpertsTests`. GLM-OCR-MoTE overrides the two input-embedding
+tests as `GlmOcrModelTest` does; VideoLLM-MoTE applies the multimodal-outputs test, written for images, to its videos.
 """
 
 import copy
@@ -17,12 +18,14 @@ import unittest
 
 import pytest
 import torch
+from transformers import AutoModel
 
 from moezoo.configuration.mote import GlmOcrMoteConfig, GlmOcrMoteTextConfig, LlamaMoteConfig, VideoLlmMoteConfig
 from moezoo.modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration, GlmOcrMoteModel, GlmOcrMoteTextModel
 from moezoo.modeling.mote.llama import LlamaMoteForCausalLM, LlamaMoteModel
 from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration, VideoLlmMoteModel
 from transformers_tests.generation.test_utils import GenerationTesterMixin
+from transformers_tests.routed_experts import RoutedExpertsTests
 from transformers_tests.test_configuration_common import ConfigTester
 from transformers_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor
 from transformers_tests.zoo import ListedInTransformersMappings
@@ -70,7 +73,9 @@ class LlamaMoteModelTester:
         return self.get_config(), inputs
 
 
-class LlamaMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class LlamaMoteModelTest(
+    ListedInTransformersMappings, RoutedExpertsTests, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
+):
     all_model_classes = (LlamaMoteModel, LlamaMoteForCausalLM)
 
     def setUp(self):
@@ -101,10 +106,11 @@ class GlmOcrMoteTextModelTester(LlamaMoteModelTester):
         )
 
 
-class GlmOcrMoteTextModelTest(ListedInTransformersMappings, ModelTesterMixin, unittest.TestCase):
+class GlmOcrMoteTextModelTest(ListedInTransformersMappings, RoutedExpertsTests, ModelTesterMixin, unittest.TestCase):
+    """GLM-OCR-MoTE's decoder on its own. transformers maps `glm_ocr_text` to GlmOcrTextModel but tests it only inside
+    the composite (`GlmOcrModelTest`, which skips nothing), so there is no skip to carry over."""
+
     all_model_classes = (GlmOcrMoteTextModel,)
-    # transformers lists GLM-OCR's decoder as `glm_ocr_text` -> GlmOcrTextModel; the zoo registers only whole models.
-    extra_mapping_names = {"AutoModel": {"glm_ocr_mote_text": "GlmOcrMoteTextModel"}}
 
     def setUp(self):
         super().setUp()
@@ -113,6 +119,10 @@ class GlmOcrMoteTextModelTest(ListedInTransformersMappings, ModelTesterMixin, un
 
     def test_config(self):
         self.config_tester.run_common_tests()
+
+    def test_auto_model_resolves_the_text_config(self):
+        """As `AutoModel` builds GlmOcrTextModel from a `glm_ocr_text` config."""
+        self.assertIsInstance(AutoModel.from_config(self.model_tester.get_config()), GlmOcrMoteTextModel)
 
 
 class GlmOcrMoteModelTester:
@@ -171,7 +181,9 @@ class GlmOcrMoteModelTester:
 
 # Every common test runs through a vision tower too: over a minute of CPU per class.
 @pytest.mark.slow
-class GlmOcrMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class GlmOcrMoteModelTest(
+    ListedInTransformersMappings, RoutedExpertsTests, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
+):
     all_model_classes = (GlmOcrMoteModel, GlmOcrMoteForConditionalGeneration)
     model_split_percents = [0.7, 0.9]  # as GlmOcrModelTest: too small to split at 0.5
     _is_composite = True
@@ -254,7 +266,9 @@ class VideoLlmMoteModelTester:
 
 # Every common test runs through a vision tower too: over a minute of CPU per class.
 @pytest.mark.slow
-class VideoLlmMoteModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class VideoLlmMoteModelTest(
+    ListedInTransformersMappings, RoutedExpertsTests, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
+):
     all_model_classes = (VideoLlmMoteModel, VideoLlmMoteForConditionalGeneration)
     _is_composite = True
 

@@ -17,6 +17,7 @@ import torch
 from moezoo.configuration.omnimoe_vl import OmniMoeVlConfig
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration, OmniMoeVlModel
 from transformers_tests.generation.test_utils import GenerationTesterMixin
+from transformers_tests.routed_experts import RoutedExpertsTests
 from transformers_tests.test_configuration_common import ConfigTester
 from transformers_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor
 from transformers_tests.zoo import ListedInTransformersMappings
@@ -74,7 +75,9 @@ class OmniMoeVlModelTester:
         return config, inputs
 
 
-class OmniMoeVlModelTest(ListedInTransformersMappings, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class OmniMoeVlModelTest(
+    ListedInTransformersMappings, RoutedExpertsTests, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
+):
     all_model_classes = (OmniMoeVlModel, OmniMoeVlForConditionalGeneration)
     _is_composite = True
 

@@ -176,7 +176,8 @@ def register_auto_classes(architecture: Architecture) -> None:
     for model_type, sub_config_path in architecture.sub_configs.items():
         _register_config(AutoConfig, model_type, resolve(sub_config_path))
     for model_type, class_path in architecture.sub_models.items():
-        transformers.AutoModel.register(resolve(architecture.sub_configs[model_type]), resolve(class_path), exist_ok=True)
+        sub_config_class = resolve(architecture.sub_configs[model_type])
+        transformers.AutoModel.register(sub_config_class, resolve(class_path), exist_ok=True)
     for auto_name, class_path in architecture.models.items():
         getattr(transformers, auto_name).register(config_class, resolve(class_path), exist_ok=True)
     if architecture.processor:

@@ -21,27 +21,24 @@ def mapping_names(auto_class_name: str) -> dict:
     return getattr(transformers, auto_class_name)._model_mapping._model_mapping
 
 
-def zoo_entries(extra: dict | None = None) -> dict[str, dict[str, str]]:
-    """{Auto class name: {model_type: class name}} for every catalogued architecture, plus `extra` (classes the
-    catalogue does not register, e.g. a text model whose config is a sub-config)."""
+def zoo_entries() -> dict[str, dict[str, str]]:
+    """{Auto class name: {model_type: class name}} for every catalogued architecture and its sub-models."""
     entries: dict[str, dict[str, str]] = {}
     for architecture in ARCHITECTURES.values():
         for auto_class_name, class_path in architecture.models.items():
             class_name = class_path.rpartition(":")[2]
             entries.setdefault(auto_class_name, {})[architecture.name] = class_name
-    for auto_class_name, names in (extra or {}).items():
-        entries.setdefault(auto_class_name, {}).update(names)
+        for model_type, class_path in architecture.sub_models.items():
+            entries.setdefault("AutoModel", {})[model_type] = class_path.rpartition(":")[2]
     return entries
 
 
 class ListedInTransformersMappings:
     """A common-test mixin, placed before `ModelTesterMixin`: each test runs with the zoo's classes in transformers'
-    model name tables. `extra_mapping_names` adds classes the catalogue does not register."""
-
-    extra_mapping_names: dict[str, dict[str, str]] = {}
+    model name tables."""
 
     def setUp(self):
-        for auto_class_name, names in zoo_entries(self.extra_mapping_names).items():
+        for auto_class_name, names in zoo_entries().items():
             patcher = mock.patch.dict(mapping_names(auto_class_name), names)
             patcher.start()
             self.addCleanup(patcher.stop)

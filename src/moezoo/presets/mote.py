@@ -60,6 +60,7 @@ ARCHITECTURES = [
         tags=("mote", "task-experts", "ocr", "glm_ocr"),
         paper_counted_modules=("model.language_model", "lm_head"),
         sub_configs={"glm_ocr_mote_text": "moezoo.configuration.mote:GlmOcrMoteTextConfig"},
+        sub_models={"glm_ocr_mote_text": f"{GLM_OCR_MODELING}:GlmOcrMoteTextModel"},
     ),
     Architecture(
         name="llama_mote",
