@@ -258,6 +258,21 @@ def test_still_images_are_one_frame_streams_in_the_order_of_their_placeholders(v
         np.testing.assert_array_equal(out[key], as_video[key], err_msg=key)
 
 
+def test_replacement_offsets_and_tokenizer_options_pass_through(videollm):
+    text = videollm.render_prompt(task_prompt("step"))
+    out = videollm(
+        text=text, videos=[random_video(2, 8, 8)], return_text_replacement_offsets=True, return_offsets_mapping=True,
+        padding="max_length", max_length=200,
+    )  # fmt: skip
+    [[replacement]] = out["text_replacement_offsets"]
+    assert replacement["type"] == "video" and replacement["text"] == "<v>"
+    assert replacement["replacement"] == ",".join(["<v>" * 10] * 2)
+    expanded = text.replace("<v>", replacement["replacement"])
+    start, end = replacement["new_span"]
+    assert expanded[start:end] == replacement["replacement"]
+    assert len(out["input_ids"][0]) == len(out["offset_mapping"][0]) == 200
+
+
 def test_frames_are_kept_as_given_or_evenly_spaced_on_request(videollm):
     video = random_video(7, 8, 8)
     assert videollm.image_processor([video], do_sample_frames=False)["video_num_frames"].tolist() == [7]
