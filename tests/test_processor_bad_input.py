@@ -170,7 +170,7 @@ VIDEOLLM_CASES = {
     "video five channels": (lambda p: p(text=videollm_prompt(p), videos=[[FIVE_CHANNELS]]), ValueError,
                             "Video 0, frame 0 .* no channel axis of size"),
     "images instead of videos": (lambda p: p(text=videollm_prompt(p), images=[IMAGE]), ValueError,
-                                 r"Unknown option\(s\) images"),
+                                 r"1 '<v>' placeholders for 0 videos.* A still image is written <image>"),
 }  # fmt: skip
 
 
