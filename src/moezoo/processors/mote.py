@@ -7,13 +7,18 @@ its default route.
 
 - [`GlmOcrMoteProcessor`]: GLM-OCR's image processing (`Glm46VImageProcessorPil`: smart resize to multiples of
   `patch_size * merge_size`, CLIP normalisation, patches in merge-block order) and its `<|image|>` placeholders.
-  transformers' `Glm46VProcessor` also needs a video processor, which needs torchvision; this image-only subclass
-  does not (spec §2.6, §6.3).
+  transformers' `Glm46VProcessor` also needs a video processor, which needs torchvision; this image-only processor
+  reuses its image methods and does not (spec §2.6, §6.3).
 - [`VideoLlmMoteFrameProcessor`]: VideoLLM-online's frames: resampled to 2 fps (the source frame nearest to each
   `k / fps` seconds), at most the 1,200 most recent, letterboxed to 384 x 384 and normalised with mean = std = 0.5
   (spec §6.1). PIL and numpy only: transformers' video processors need torchvision.
 - [`VideoLlmMoteProcessor`]: the frame processor with a Llama-3 tokenizer and the chat template of the paper's
-  appendix A.5; every frame becomes 10 `<v>` placeholders, frames are separated by `,`.
+  appendix A.5; every frame becomes 10 `<v>` placeholders, frames are separated by `,`; a still image is a one-frame
+  video.
+
+Both are transformers processors (`__call__(images, text, videos, audio, **kwargs)`, options merged by
+`ProcessorMixin._merge_kwargs`, chat templates, placeholder counts for `_get_num_multimodal_tokens`) and pass its
+common processor tests (`tests/test_conformance_processors_mote.py`).
 
 The A.5 task prompts (`task_prompt`), answer formats (`format_answer`) and GLM-OCR-MoTE's prompts (`GLM_OCR_PROMPTS`,
 `kie_prompt`) are here too, so that data sets, training and evaluation render exactly what the models read and write.
