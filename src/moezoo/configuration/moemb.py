@@ -33,17 +33,62 @@ UPCYCLE_ROUTER_INITS = ("random", "tiled", "zero_bias")
 DEFAULT_MROPE_SECTION = [11, 11, 10]
 # Names under which older or dense checkpoints store the sub-configs (Qwen3_5MoeConfig renames the first one too).
 _SUB_CONFIG_MODEL_TYPES = {
-    "text_config": ("qwen3_5_moe_text", ("qwen3_5_text",)),
+    "text_config": ("moemb_text", ("qwen3_5_moe_text", "qwen3_5_text")),
     "vision_config": ("qwen3_5_moe_vision", ("qwen3_5_moe", "qwen3_5_vision")),
 }
+
+
+class MoEmbTextConfig(Qwen3_5MoeTextConfig):
+    r"""MoEMB's text model: Qwen3.5-MoE's text config (every field and default) and the MoE block of its decoder
+    layers, so that `MoEmbTextModel` also runs alone. Inside a [`MoEmbConfig`] the block fields are set from the
+    embedder's own (`moe_variant` and what it resolves); alone, they default to Qwen3.5-MoE's block.
+
+    Args:
+        use_shared_expert: the gated shared expert of Qwen3.5-MoE (`shared_expert_intermediate_size` wide).
+        router_bias: a learned logit bias `z = W x + b` in the router.
+        routed_scaling_factor: multiplies the renormalised routed weights.
+        modality_expert_map: the expert of each token modality (`mm_token_type_ids` 0 text, 1 image, 2 video) for
+            fixed routes without a router (MoEMB's "modality" variant); `None` routes with a learned top-k router.
+    """
+
+    model_type = "moemb_text"
+    base_config_key = "text_config"
+
+    use_shared_expert: bool = True
+    router_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    modality_expert_map: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.modality_expert_map = _with_integer_keys(self.modality_expert_map)
+
+    def moe_layer_spec(self) -> MoeLayerSpec:
+        """Every decoder layer's MoE block, for the shared core (`SparseMoeBlock`), which validates it."""
+        shared = self.use_shared_expert
+        return MoeLayerSpec(
+            hidden_size=self.hidden_size,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            expert_intermediate_size=self.moe_intermediate_size,
+            hidden_act=self.hidden_act,
+            router_type="softmax" if self.modality_expert_map is None else "given",
+            norm_topk_prob=True,
+            routed_scaling_factor=self.routed_scaling_factor,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size if shared else 0,
+            shared_expert_gate=shared,
+            router_logit_bias=bool(self.router_bias),
+        )
 
 
 class MoEmbConfig(PreTrainedConfig):
     r"""The embedder: a Qwen3.5-MoE vision tower and text model, `<emb>`-token pooling, L2-normalised embeddings.
 
     Args:
-        text_config / vision_config: `Qwen3_5MoeTextConfig` / `Qwen3_5MoeVisionConfig` (or their dicts), read from the
-            source checkpoint; `vision_config.out_hidden_size` must equal `text_config.hidden_size`.
+        text_config / vision_config: `MoEmbTextConfig` (Qwen3.5-MoE's text config, whose dicts it reads) /
+            `Qwen3_5MoeVisionConfig` (or their dicts), read from the source checkpoint;
+            `vision_config.out_hidden_size` must equal `text_config.hidden_size`. The text config's MoE block fields
+            are set from this config's.
         image_token_id / video_token_id / vision_start_token_id / vision_end_token_id: the Qwen3.5 placeholders.
         moe_variant: `"native"`, `"upcycled"` or `"modality"` (see the module docstring).
         source_model_type: the checkpoint the model was converted from (`"qwen3_5_moe"` or the dense `"qwen3_5"`).
@@ -68,7 +113,7 @@ class MoEmbConfig(PreTrainedConfig):
     """
 
     model_type = "moemb"
-    sub_configs_defaults = {"text_config": Qwen3_5MoeTextConfig, "vision_config": Qwen3_5MoeVisionConfig}
+    sub_configs_defaults = {"text_config": MoEmbTextConfig, "vision_config": Qwen3_5MoeVisionConfig}
 
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
@@ -95,6 +140,8 @@ class MoEmbConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         for key, (model_type, legacy_types) in _SUB_CONFIG_MODEL_TYPES.items():
             sub_config = getattr(self, key)
+            if isinstance(sub_config, PreTrainedConfig) and sub_config.model_type in legacy_types:
+                sub_config = sub_config.to_dict()
             if isinstance(sub_config, dict) and sub_config.get("model_type") in legacy_types:
                 setattr(self, key, {**sub_config, "model_type": model_type})
         default_vision = self.vision_config is None
@@ -105,6 +152,9 @@ class MoEmbConfig(PreTrainedConfig):
             self.vision_config.out_hidden_size = self.text_config.hidden_size
         _require_choice(self, "moe_variant", MOE_VARIANTS)
         self._resolve_variant_defaults()
+        # The text model builds its MoE blocks from its own config, so that it also runs alone.
+        for name in ("use_shared_expert", "router_bias", "routed_scaling_factor", "modality_expert_map"):
+            setattr(self.text_config, name, getattr(self, name))
         self.validate_fields()
 
     def _resolve_variant_defaults(self) -> None:
@@ -122,12 +172,8 @@ class MoEmbConfig(PreTrainedConfig):
         if self.moe_variant == "modality":
             if self.modality_expert_map is None:
                 self.modality_expert_map = {modality: modality for modality in TOKEN_MODALITIES}
-            elif isinstance(self.modality_expert_map, dict):
-                # JSON turns the integer keys into strings.
-                self.modality_expert_map = {
-                    int(key) if isinstance(key, str) and key.isdigit() else key: value
-                    for key, value in self.modality_expert_map.items()
-                }
+            else:
+                self.modality_expert_map = _with_integer_keys(self.modality_expert_map)
 
     @property
     def hidden_size(self) -> int:
@@ -145,28 +191,15 @@ class MoEmbConfig(PreTrainedConfig):
 
     def moe_layer_spec(self) -> MoeLayerSpec:
         """Every decoder layer's MoE block, for the shared core (`SparseMoeBlock`)."""
-        text = self.text_config
-        shared = self.use_shared_expert
-        return MoeLayerSpec(
-            hidden_size=text.hidden_size,
-            num_experts=text.num_experts,
-            num_experts_per_tok=text.num_experts_per_tok,
-            expert_intermediate_size=text.moe_intermediate_size,
-            hidden_act=text.hidden_act,
-            router_type="given" if self.moe_variant == "modality" else "softmax",
-            norm_topk_prob=True,
-            routed_scaling_factor=self.routed_scaling_factor,
-            shared_expert_intermediate_size=text.shared_expert_intermediate_size if shared else 0,
-            shared_expert_gate=shared,
-            router_logit_bias=bool(self.router_bias),
-        )
+        return self.text_config.moe_layer_spec()
 
     def validate_fields(self) -> None:
         text, vision = self.text_config, self.vision_config
-        if text.model_type != "qwen3_5_moe_text":
+        if not isinstance(text, MoEmbTextConfig):
             raise ValueError(
-                f"MoEmbConfig.text_config must be a Qwen3.5-MoE text config (model_type 'qwen3_5_moe_text'), got "
-                f"{text.model_type!r}; dense sources are converted into MoE text configs by moezoo.conversion"
+                f"MoEmbConfig.text_config must be a MoEMB or Qwen3.5-MoE text config (model_type 'moemb_text' or "
+                f"'qwen3_5_moe_text'), got {text.model_type!r}; dense sources are converted into MoE text configs by "
+                "moezoo.conversion"
             )
         if vision.model_type != "qwen3_5_moe_vision":
             raise ValueError(
@@ -328,6 +361,13 @@ def _is_positive_int(value) -> bool:
 
 def _is_non_negative_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _with_integer_keys(mapping: dict | None) -> dict | None:
+    """`mapping` with the integer keys that JSON turned into strings made integers again."""
+    if not isinstance(mapping, dict):
+        return mapping
+    return {int(key) if isinstance(key, str) and key.isdigit() else key: value for key, value in mapping.items()}
 
 
 def _require_choice(config, name: str, choices: tuple[str, ...]) -> None:

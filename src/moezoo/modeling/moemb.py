@@ -35,7 +35,6 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeAttention,
     Qwen3_5MoeGatedDeltaNet,
@@ -49,7 +48,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig
+from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig, MoEmbTextConfig
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
 from .moe.pretrained import MoePreTrainedMixin
@@ -247,18 +246,17 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
         h <- h + MoE(RMSNorm_post(h))      only non-padding tokens are routed
     """
 
-    def __init__(self, config: MoEmbConfig, layer_idx: int):
+    def __init__(self, config: MoEmbTextConfig, layer_idx: int):
         super().__init__()
-        text_config = config.text_config
         self.layer_idx = layer_idx
-        self.layer_type = text_config.layer_types[layer_idx]
+        self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3_5MoeGatedDeltaNet(text_config, layer_idx)
+            self.linear_attn = Qwen3_5MoeGatedDeltaNet(config, layer_idx)
         else:
-            self.self_attn = Qwen3_5MoeAttention(text_config, layer_idx)
-        self.mlp = SparseMoeBlock(text_config, config.moe_layer_spec(), layer_idx=layer_idx)
-        self.input_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
+            self.self_attn = Qwen3_5MoeAttention(config, layer_idx)
+        self.mlp = SparseMoeBlock(config, config.moe_layer_spec(), layer_idx=layer_idx)
+        self.input_layernorm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -330,21 +328,21 @@ class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
 
 
 class MoEmbTextModel(MoEmbPreTrainedModel):
-    """`Qwen3_5MoeTextModel`'s modules (same names) with MoEMB's decoder layers and layer loop. Built from the full
-    `MoEmbConfig` (the MoE variant, shared expert and modality routes are MoEMB fields), it holds `text_config` as its
-    own config, as `Qwen3_5MoeTextModel` does: transformers sets the attention and experts implementations there, and
-    the text model's output flags (`output_router_logits`, ...) are read from it."""
+    """`Qwen3_5MoeTextModel`'s modules (same names) with MoEMB's decoder layers and layer loop, built from the text
+    config alone (which holds the MoE block, see `MoEmbTextConfig`), as `Qwen3_5MoeTextModel` is: inside
+    `MoEmbModel`, transformers sets the attention and experts implementations there, and the text model's output
+    flags (`output_router_logits`, ...) are read from it."""
 
-    config: Qwen3_5MoeTextConfig
+    config: MoEmbTextConfig
+    input_modalities = ("text",)
 
-    def __init__(self, config: MoEmbConfig):
-        text_config = config.text_config
-        super().__init__(text_config)
-        self.embed_tokens = nn.Embedding(text_config.vocab_size, text_config.hidden_size, text_config.pad_token_id)
-        self.layers = nn.ModuleList(MoEmbDecoderLayer(config, i) for i in range(text_config.num_hidden_layers))
-        self.norm = Qwen3_5MoeRMSNorm(text_config.hidden_size, eps=text_config.rms_norm_eps)
-        self.rotary_emb = Qwen3_5MoeTextRotaryEmbedding(config=text_config)
-        self.modality_expert_map = config.modality_expert_map if config.moe_variant == "modality" else None
+    def __init__(self, config: MoEmbTextConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(MoEmbDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3_5MoeTextRotaryEmbedding(config=config)
+        self.modality_expert_map = config.modality_expert_map
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -452,7 +450,7 @@ class MoEmbModel(MoEmbPreTrainedModel):
     def __init__(self, config: MoEmbConfig):
         super().__init__(config)
         self.visual = Qwen3_5MoeVisionModel._from_config(config.vision_config)
-        self.language_model = MoEmbTextModel(config)
+        self.language_model = MoEmbTextModel(config.text_config)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
