@@ -281,3 +281,18 @@ def test_save_and_load(processor, tmp_path):
         assert torch.equal(expected[key], got[key]), key
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<emb>", "<|endoftext|>"]) == [IMAGE, EMB, 0]
+
+
+def test_folders_saved_with_the_frame_settings_on_the_processor_load(processor, tmp_path):
+    """Folders saved before the frame settings moved to the image processor hold them in processor_config.json: they
+    still apply, and max_length there (now a call option) is dropped."""
+    AutoImageProcessor.register(MoEmbConfig, image_processor_classes={"pil": MoEmbImageProcessor}, exist_ok=True)
+    processor.save_pretrained(tmp_path)
+    config_file = tmp_path / "processor_config.json"
+    saved = json.loads(config_file.read_text())
+    saved |= {"num_frames": 2, "video_fps": 4.0, "max_length": 8192}
+    config_file.write_text(json.dumps(saved))
+    loaded = MoEmbProcessor.from_pretrained(tmp_path)
+    assert (loaded.image_processor.num_frames, loaded.image_processor.video_fps) == (2, 4.0)
+    batch = loaded([{"video": random_frames(count=6)}])
+    assert batch["video_grid_thw"][0, 0] == 1  # two frames: one temporal step

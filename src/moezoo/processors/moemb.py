@@ -236,7 +236,7 @@ class MoEmbVideoProcessor:
         self,
         videos: list,
         num_frames: int | None = None,
-        do_sample_frames: bool = True,
+        do_sample_frames: bool | None = None,
         size: dict | None = None,
         return_tensors: str | None = None,
         **unknown,
@@ -253,6 +253,7 @@ class MoEmbVideoProcessor:
         num_frames = processor.num_frames if num_frames is None else num_frames
         if not isinstance(num_frames, int) or num_frames < 1:
             raise ValueError(f"num_frames must be a positive integer, got {num_frames!r}")
+        do_sample_frames = True if do_sample_frames is None else do_sample_frames  # sampling is the default
         pixel_values, grids, seconds = [], [], []
         for index, video in enumerate(videos):
             frames = load_frames(video)
