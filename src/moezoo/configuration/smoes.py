@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
-from ..modeling.moe.smoes import BALANCE_MODES, BINNING_TYPES, SCORE_TYPES
+from ..modeling.moe.smoes.bins import BINNING_TYPES
+from ..modeling.moe.smoes.losses import BALANCE_MODES
+from ..modeling.moe.smoes.scores import SCORE_TYPES
 from .validation import (
     is_int,
     is_non_negative_int,

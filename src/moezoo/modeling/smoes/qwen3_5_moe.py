@@ -47,7 +47,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from ...configuration.smoes import SmoesQwen3_5MoeConfig, SmoesQwen3_5MoeTextConfig
 from ..moe.pretrained import checkpoints_reentrantly
-from ..moe.smoes import SmoesLayerState, SmoesRuntime, apply_smoes, check_routers_trainable, hard_modality
+from ..moe.smoes.regularizer import apply_smoes, check_routers_trainable
+from ..moe.smoes.scores import hard_modality
+from ..moe.smoes.state import SmoesLayerState, SmoesRuntime
 
 
 # The SMoES text model keeps Qwen3.5-MoE's weight names and layouts, so a Qwen3.5-MoE checkpoint (per-expert 2D
@@ -162,6 +164,12 @@ class SmoesQwen3_5MoeDecoderLayer(Qwen3_5MoeDecoderLayer):
 class SmoesQwen3_5MoePreTrainedModel(Qwen3_5MoePreTrainedModel):
     config: SmoesQwen3_5MoeConfig
     _no_split_modules = ["SmoesQwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """Saves the fused expert tensors under the model's own names (spec §5 step 4), as every model of the zoo does,
+        rather than reverting them to Qwen3.5-MoE's per-expert checkpoint layout, which transformers does by default
+        for a model with a checkpoint conversion; both layouts load."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -1,0 +1,350 @@
+"""Training an SMoES model with `transformers.Trainer` (spec smoes.md §6: a stage-2-style fine-tuning of a Qwen3.5-MoE
+VLM with SMoES on).
+
+- The objective lives in the model: in a training forward its `loss` is the language-model loss plus
+  `smoes_bal_coef * smoes_bal_loss + alpha_MI * smoes_mi_loss`, which replace the base load-balancing loss.
+  `SmoesLoss` logs each term beside the loss, and the mutual information of every MoE layer (`smoes/mi_layer_<l>`).
+- What trains: the language model and its routers, the vision tower frozen (spec §6). With `lora_r`, PEFT adapters
+  on the attention projections and the fused experts (`target_parameters`), the routers in full beside them (the SMoES
+  losses act through the routers only); the adapters are merged at the end. Frozen routers with a non-zero SMoES
+  coefficient are refused before training starts.
+- The SMoES buffers (Gaussian statistics, dispatch counts, bins, `smoes_step`) advance once per training forward,
+  in the model (spec §2.6, §2.8: with gradient accumulation, once per micro-batch); they are part of every
+  checkpoint, so `resume` continues with them.
+
+Data: image-caption pairs (`moezoo.training.data.load_image_text_dataset`: JSON Lines with `image` and `text`, an
+image folder, ...). Each example becomes `<|vision_start|><|image_pad|>...<|vision_end|>` + caption, with labels on
+the caption: two modalities per sequence. `train_smoes` (`moezoo train smoes`) writes the model, its processor, the
+loss curves, the per-modality routing heatmap and the MSI of every MoE layer (spec §2.7) to `out`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from peft import LoraConfig
+from torch import nn
+from transformers import Trainer, set_seed
+
+from .. import __version__
+from ..hub.folders import read_provenance, write_provenance
+from ..hub.sources import model_folder
+from ..modeling.moe.smoes.metrics import modality_specialisation_index
+from ..modeling.moe.smoes.regularizer import check_routers_trainable
+from ..modeling.moe.smoes.scores import hard_modality
+from ..modeling.moe.statistics import RoutingStatistics, plot_routing_heatmap
+from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
+from ..processors.smoes import SmoesQwen3_5MoeProcessor
+from ..terminal import console, print_table
+from .arguments import (
+    PeftModelWithTrainedBase,
+    add_trainer_arguments,
+    checkpoint_to_resume,
+    loss_summary,
+    trainer_options,
+    training_arguments,
+    training_output_dir,
+)
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .data import load_image_text_dataset
+from .plots import plot_log_history
+
+
+VISION_TOWER = "model.visual."
+ROUTER = ".mlp.gate.weight"
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+MODALITIES = ("text", "vision")
+IGNORE_INDEX = -100
+
+
+# --- what trains ----------------------------------------------------------------------------------------------------
+
+
+def router_weights(model: SmoesQwen3_5MoeForConditionalGeneration) -> dict[str, nn.Parameter]:
+    return {name: parameter for name, parameter in model.named_parameters() if name.endswith(ROUTER)}
+
+
+def set_trainable(model: SmoesQwen3_5MoeForConditionalGeneration, freeze_routers: bool = False) -> list[str]:
+    """Train the language model (routers included unless `freeze_routers`), freeze the vision tower; refuse frozen
+    routers while an SMoES coefficient is non-zero. Returns the trainable parameters' names."""
+    trainable = []
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not name.startswith(VISION_TOWER) and not (freeze_routers and name.endswith(ROUTER)))
+        if parameter.requires_grad:
+            trainable.append(name)
+    check_routers_trainable(model.config.text_config, router_weights(model))
+    return trainable
+
+
+class SmoesLoraModel(PeftModelWithTrainedBase):
+    """PEFT's model of `with_lora`, whose checkpoints keep the routers (trained in full) and the SMoES buffers beside
+    the adapters: PEFT's adapter files hold neither, and a resumed run would restart them from the base model."""
+
+    SMOES_BUFFERS_FILE = "smoes_buffers.safetensors"
+
+    def trained_base_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in router_weights(self.get_base_model()).items() if p.requires_grad}
+
+    def smoes_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b for name, b in self.get_base_model().named_buffers() if ".smoes." in name or "smoes_step" in name}
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
+        from safetensors.torch import save_file
+
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            tensors = {name: buffer.contiguous() for name, buffer in self.smoes_buffers().items()}
+            save_file(tensors, str(Path(save_directory) / self.SMOES_BUFFERS_FILE))
+
+    def load_adapter(self, model_id, adapter_name: str, is_trainable: bool = False, **kwargs):
+        from safetensors.torch import load_file
+
+        result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+        path = Path(model_id) / self.SMOES_BUFFERS_FILE
+        if path.is_file():
+            buffers = self.smoes_buffers()
+            with torch.no_grad():
+                for name, tensor in load_file(str(path)).items():
+                    buffers[name].copy_(tensor)
+        return result
+
+
+def with_lora(
+    model: SmoesQwen3_5MoeForConditionalGeneration, rank: int, freeze_routers: bool = False
+) -> SmoesLoraModel:
+    """LoRA (alpha = 2 r) on the language model's attention projections and fused experts; the routers train in full
+    beside the adapters (unless `freeze_routers`); everything else is frozen."""
+    trainable = set_trainable(model, freeze_routers)
+    experts = [name for name in trainable if name.endswith(FUSED_EXPERTS)]
+    attention = sorted({
+        name.rpartition(".")[0] for name in trainable
+        if ".self_attn." in name and name.rpartition(".")[0].endswith(ATTENTION_PROJECTIONS)
+    })  # fmt: skip
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention,
+                        target_parameters=experts)  # fmt: skip
+    peft_model = SmoesLoraModel(model, config)
+    for parameter in peft_model.trained_base_parameters().values():
+        parameter.requires_grad_(True)
+    if not freeze_routers:
+        for parameter in router_weights(model).values():
+            parameter.requires_grad_(True)
+    return peft_model
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SmoesCollator:
+    """Image-caption examples `{"image", "text"}` -> the processor's batch, each sequence the image's placeholders
+    then the caption, `labels` on the caption only (the vision tokens and padding are -100)."""
+
+    processor: SmoesQwen3_5MoeProcessor
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        image = self.processor.vision_start_token + self.processor.image_token + self.processor.vision_end_token
+        batch = self.processor(images=[e["image"] for e in examples], text=[image + e["text"] for e in examples],
+                               padding=True, return_tensors="pt")  # fmt: skip
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        vision_markers = torch.tensor([self.processor.image_token_id, self.processor.vision_start_token_id,
+                                       self.processor.vision_end_token_id])  # fmt: skip
+        batch["labels"] = labels.masked_fill(torch.isin(batch["input_ids"], vision_markers), IGNORE_INDEX)
+        return dict(batch)
+
+
+# --- the trainer ----------------------------------------------------------------------------------------------------
+
+
+class SmoesLoss(LogsStepMeans):
+    """
+    A `Trainer` mixin (placed before the trainer class) whose loss is the model's own, which holds the SMoES terms. It
+    logs beside the loss the weighted SMoES loss (`aux_loss`), the bin-level balance loss (`smoes_bal_loss`), minus the
+    inter-bin mutual information (`smoes_mi_loss`) and each MoE layer's mutual information in nats
+    (`smoes/mi_layer_<l>`), their means since the previous log.
+
+    The loss of a micro-batch is its own mean (the SMoES terms are per micro-batch), and the Trainer divides it by the
+    accumulation steps.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model_accepts_loss_kwargs = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        if model.training and outputs.smoes_mi is not None:
+            for name in ("aux_loss", "smoes_bal_loss", "smoes_mi_loss"):
+                self.record_step_value(name, getattr(outputs, name))
+            for layer, information in enumerate(outputs.smoes_mi):
+                self.record_step_value(f"smoes/mi_layer_{layer}", information)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class SmoesTrainer(SmoesLoss, Trainer):
+    """`Trainer` with the model's own loss and its SMoES terms logged (`SmoesLoss`)."""
+
+
+# --- routing by modality: heatmap and MSI ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def routing_by_modality(
+    model: SmoesQwen3_5MoeForConditionalGeneration, dataset, collator: SmoesCollator, batch_size: int = 8,
+    num_examples: int = 64,
+) -> tuple[RoutingStatistics, list[float]]:
+    """In eval mode, over the first `num_examples` examples: the top-k dispatches of each MoE layer by hard modality
+    (text, vision) and each layer's MSI (spec §2.7) over all of them."""
+    was_training = model.training
+    model.eval()
+    text_config = model.config.text_config
+    top_k, num_experts = text_config.num_experts_per_tok, text_config.num_experts
+    selections, modalities, valids = [], [], []
+    for start in range(0, min(num_examples, len(dataset)), batch_size):
+        batch = collator([dataset[i] for i in range(start, min(start + batch_size, num_examples, len(dataset)))])
+        batch.pop("labels")
+        batch = {key: value.to(model.device) for key, value in batch.items()}
+        router_logits = model(**batch, output_router_logits=True).router_logits  # per layer (B*T, E)
+        shape = batch["input_ids"].shape
+        selections.append([logits.topk(top_k, dim=-1).indices.view(*shape, top_k) for logits in router_logits])
+        modalities.append(hard_modality(batch["mm_token_type_ids"], text_config.smoes_vision_token_types))
+        valids.append(batch["attention_mask"].bool())
+    model.train(was_training)
+
+    stats = RoutingStatistics({}, group_names=MODALITIES)
+    msi = []
+    for layer in range(text_config.num_hidden_layers):
+        counts = torch.zeros(len(MODALITIES), num_experts, dtype=torch.long)
+        for selection, modality, valid in zip(selections, modalities, valids):
+            chosen, labels = selection[layer][valid], modality[valid]  # (N, k), (N,)
+            cells = labels.repeat_interleave(top_k) * num_experts + chosen.reshape(-1)
+            counts += torch.bincount(cells, minlength=len(MODALITIES) * num_experts).view(len(MODALITIES), -1).cpu()
+        stats.counts[f"layer {layer}"] = counts
+        # Batches differ in length: their tokens are concatenated as one (N, 1) "batch".
+        selected = torch.cat([selection[layer].flatten(0, 1) for selection in selections])[:, None]
+        modality = torch.cat([labels.flatten() for labels in modalities])[:, None]
+        valid = torch.cat([mask.flatten() for mask in valids])[:, None]
+        msi.append(round(modality_specialisation_index(selected, modality, valid, num_experts), 4))
+    return stats, msi
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SmoesTrainingOptions:
+    steps: int = 200
+    batch_size: int = 8
+    learning_rate: float = 2e-5  # spec §6: the LLaVA-1.5 stage-2 value (the paper gives none)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    lora_r: int = 0  # LoRA of this rank on attention and experts (routers in full), merged at the end; 0: full
+    freeze_routers: bool = False  # only with both SMoES coefficients 0 (statistics-only runs)
+    seed: int = 0
+    logging_steps: int = 10
+    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
+    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
+
+
+def load_smoes_model(model_dir: str | Path) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, SmoesQwen3_5MoeProcessor]:
+    folder, _ = model_folder(model_dir, "`moezoo train smoes`", ["smoes_qwen3_5_moe"])
+    return SmoesQwen3_5MoeForConditionalGeneration.from_pretrained(folder), SmoesQwen3_5MoeProcessor.from_pretrained(folder)
+
+
+def train_smoes(
+    model_dir: str | Path,
+    data: str | Path | datasets.Dataset,
+    out: str | Path,
+    options: SmoesTrainingOptions | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Fine-tune the SMoES model in `model_dir` on the image-caption pairs `data` and save it with its processor, the
+    loss curves (`training_curves.png`), the per-modality routing heatmap (`routing_by_modality.png`), each MoE
+    layer's MSI (`smoes_msi.json`) and a provenance record to `out`. Returns the training summary."""
+    options = options or SmoesTrainingOptions()
+    checkpoint = checkpoint_to_resume(out, options)
+    model, processor = load_smoes_model(model_dir)
+    dataset = load_image_text_dataset(data)
+    if options.lora_r:
+        set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
+        trained = with_lora(model, options.lora_r, options.freeze_routers)
+    else:
+        set_trainable(model, options.freeze_routers)
+        trained = model
+    counts = {"trainable": sum(p.numel() for p in trained.parameters() if p.requires_grad),
+              "total": sum(p.numel() for p in trained.parameters())}  # fmt: skip
+    collator = SmoesCollator(processor)
+
+    with training_output_dir(out, overwrite=overwrite) as staging:
+        trainer = SmoesTrainer(
+            model=trained,
+            args=training_arguments(out, options, learning_rate=options.learning_rate),
+            train_dataset=dataset,
+            data_collator=collator,
+            callbacks=[LogAtCheckpointsAndEnd()],
+        )
+        use_rich_progress(trainer)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        if trained is not model:
+            model = trained.merge_and_unload()
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+
+        text_config = model.config.text_config
+        panels = {"loss": "loss", "SMoES loss (weighted)": "aux_loss", "bin balance": "smoes_bal_loss",
+                  "- inter-bin MI": "smoes_mi_loss"}  # fmt: skip
+        panels |= {f"MI layer {layer}": f"smoes/mi_layer_{layer}" for layer in range(text_config.num_hidden_layers)}
+        curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
+                                  title="SMoES fine-tuning")  # fmt: skip
+        stats, msi = routing_by_modality(model, dataset, collator)
+        heatmap = plot_routing_heatmap(stats, staging / "routing_by_modality.png",
+                                       title="SMoES experts: share of each modality's top-k dispatches per layer")
+        (staging / "smoes_msi.json").write_text(
+            json.dumps({"msi_per_layer": msi, "msi": round(sum(msi) / len(msi), 4)}, indent=2) + "\n"
+        )
+        training = {
+            "summary": f"{options.steps} steps, batch {options.batch_size}, lr {options.learning_rate}"
+                       + (f", LoRA r={options.lora_r}" if options.lora_r else ""),
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "learning_rate": options.learning_rate,
+            **loss_summary(trainer.state.log_history),
+            "examples": len(dataset),
+            "smoes_step": int(model.model.language_model.smoes_step),
+            "msi": round(sum(msi) / len(msi), 4),
+            "trainable_parameters": counts["trainable"],
+            "frozen_parameters": counts["total"] - counts["trainable"],
+            "lora_r": options.lora_r or None,
+        }
+        provenance = read_provenance(model.name_or_path) | {"training": training, "moezoo_version": __version__}
+        write_provenance(staging, provenance)
+        console.print(f"wrote {curves.name}, {heatmap.name} and smoes_msi.json")
+    return training
+
+
+def add_train_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="an SMoES folder (moezoo create / convert / train) or Hub id")
+    parser.add_argument("--data", required=True,
+                        help="image-caption pairs: JSON Lines / JSON / CSV / Parquet with image (a path relative to "
+                             "the file) and text, or an image folder with metadata.jsonl")
+    parser.add_argument("--out", required=True)
+    defaults = SmoesTrainingOptions()
+    add_trainer_arguments(parser, defaults, helps={"lr": "learning rate (default 2e-5, LLaVA-1.5's stage 2)"})
+    parser.add_argument("--lora", dest="lora_r", type=int, default=0, metavar="R",
+                        help="LoRA of rank R on attention and experts, the routers in full; merged at the end")
+    parser.add_argument("--freeze-routers", action="store_true",
+                        help="keep the routers frozen: only with smoes_bal_coef and smoes_mi_coef 0 in the config")
+    parser.add_argument("--overwrite", action="store_true")
+
+
+def run_train(args) -> int:
+    options = SmoesTrainingOptions(**trainer_options(args), lora_r=args.lora_r, freeze_routers=args.freeze_routers)
+    training = train_smoes(args.model, args.data, args.out, options, overwrite=args.overwrite)
+    print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
+    return 0
