@@ -110,6 +110,9 @@ class MoEmbConfig(PreTrainedConfig):
         upcycle_router_init: "upcycled" only, provenance: `"random"`, `"tiled"` or `"zero_bias"` (spec §2.5).
         modality_expert_map: "modality" only: expert of each token modality (`mm_token_type_ids` 0 text, 1 image,
             2 video), default `{0: 0, 1: 1, 2: 2}`; `text_config.num_experts` must equal its number of experts.
+        kept_expert_ids / pruned_from_num_experts: provenance of static expert pruning (spec §3.11): for every layer
+            the ids, in the unpruned model, of the `text_config.num_experts` experts kept (ascending; the same number
+            in every layer), and how many experts each layer had before. Both None for an unpruned model.
     """
 
     model_type = "moemb"
@@ -135,6 +138,8 @@ class MoEmbConfig(PreTrainedConfig):
     upcycle_granularity: int | None = None
     upcycle_router_init: str | None = None
     modality_expert_map: dict | None = None
+    kept_expert_ids: list[list[int]] | None = None
+    pruned_from_num_experts: int | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -256,6 +261,7 @@ class MoEmbConfig(PreTrainedConfig):
         # The core validates sizes and top-k (each message names its MoeLayerSpec field).
         self.moe_layer_spec()
         self._validate_upcycling()  # after the core's check of the expert counts it compares
+        self._validate_expert_pruning()
 
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config
@@ -315,6 +321,42 @@ class MoEmbConfig(PreTrainedConfig):
                 f"upcycle_granularity={granularity}: fine-grained upcycling needs each token to select one replica of "
                 "every slice to compute the dense FFN (routed_scaling_factor = granularity assumes it)"
             )
+
+    def _validate_expert_pruning(self) -> None:
+        kept, original = self.kept_expert_ids, self.pruned_from_num_experts
+        if (kept is None) != (original is None):
+            raise ValueError(
+                "MoEmbConfig.kept_expert_ids and MoEmbConfig.pruned_from_num_experts describe one expert pruning: "
+                f"set both or neither, got kept_expert_ids={kept!r}, pruned_from_num_experts={original!r}"
+            )
+        if kept is None:
+            return
+        text = self.text_config
+        if self.moe_variant == "modality":
+            raise ValueError(
+                "MoEmbConfig.kept_expert_ids does not apply to moe_variant='modality': every modality needs its expert"
+            )
+        if not _is_positive_int(original) or original < text.num_experts:
+            raise ValueError(
+                f"MoEmbConfig.pruned_from_num_experts={original!r} must be an integer >= text_config.num_experts="
+                f"{text.num_experts}: pruning keeps at most the experts a layer had"
+            )
+        if not isinstance(kept, list) or len(kept) != text.num_hidden_layers:
+            raise ValueError(
+                f"MoEmbConfig.kept_expert_ids must hold one list of expert ids per layer "
+                f"(text_config.num_hidden_layers={text.num_hidden_layers}), got {kept!r}"
+            )
+        for layer, ids in enumerate(kept):
+            if (
+                not isinstance(ids, list)
+                or len(ids) != text.num_experts
+                or not all(_is_non_negative_int(expert) and expert < original for expert in ids)
+                or ids != sorted(set(ids))
+            ):
+                raise ValueError(
+                    f"MoEmbConfig.kept_expert_ids[{layer}]={ids!r} must be text_config.num_experts={text.num_experts} "
+                    f"distinct ascending expert ids below pruned_from_num_experts={original}"
+                )
 
     def _validate_modality_routing(self) -> None:
         if self.moe_variant != "modality":

@@ -42,6 +42,7 @@ from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult, option_name
+from .moemb_expert_pruning import ExpertPruning, add_pruning_arguments
 from .streaming import Build, ShardWriter, SourceCheckpoint, TensorGroup, check_plan, stream_groups
 
 
@@ -542,11 +543,16 @@ def add_arguments(parser) -> None:
                              "2 video)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip running the source model to measure max |Δ| (it loads the source in fp32)")
+    add_pruning_arguments(parser)
 
 
 def convert(source: Path, variant: str = "native", verify: bool = True, **options) -> ConversionResult:
     """The converter behind the command: stream the conversion into a temporary folder, load the result, and measure
-    it against the source model. The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`)."""
+    it against the source model. The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`).
+    With `prune_experts` (and `keep`, `calibration`), the converted model's experts are then pruned
+    (`moezoo.conversion.moemb_expert_pruning`), and max |Δ| is that of the calibration embeddings against the unpruned
+    conversion where it is larger."""
+    pruning = ExpertPruning.pop_from(options)
     with tempfile.TemporaryDirectory(prefix="moemb-conversion-") as folder:
         report = convert_qwen3_5_checkpoint(source, folder, variant, **options)
         model = MoEmbForEmbedding.from_pretrained(folder, dtype=torch.float32).eval()
@@ -563,4 +569,13 @@ def convert(source: Path, variant: str = "native", verify: bool = True, **option
         ],
     }
     processor = None if tokenizer is None else make_moemb_processor(model.config, tokenizer=tokenizer)
+    if pruning is not None:
+        report["expert_pruning"] = pruning.apply(model, processor)
+        pruning_difference = report["expert_pruning"]["max_abs_diff"]
+        differences = (differences or {}) | {"embeddings_after_expert_pruning": pruning_difference}
+        report |= {"max_abs_diff": max(differences.values()), "max_abs_diff_by_output": differences}
+        report["notes"].append(
+            "embeddings_after_expert_pruning compares the embeddings of the calibration inputs before and after "
+            "expert pruning."
+        )
     return ConversionResult(model=model, processor=processor, provenance=report)

@@ -49,5 +49,14 @@ CONVERTERS = [
         function="moezoo.conversion.moemb_qwen3_5:convert",
         add_arguments="moezoo.conversion.moemb_qwen3_5:add_arguments",
         description="Qwen3.5-MoE -> MoEMB (native, exact); Qwen3.5 dense -> upcycled or modality-level MoEMB",
-    )
+    ),
+    Converter(
+        name="moemb-prune-experts",
+        architecture="moemb",
+        sources=("moemb",),
+        function="moezoo.conversion.moemb_expert_pruning:convert",
+        add_arguments="moezoo.conversion.moemb_expert_pruning:add_arguments",
+        description="MoEMB -> MoEMB with the E' most salient experts of every layer (REAP, MAN, MSAN, frequency, "
+        "router probability)",
+    ),
 ]
