@@ -5,6 +5,7 @@ from ...kernels.triton_experts import IMPLEMENTATION_NAME as TRITON_EXPERTS_IMPL
 from .accounting import ParameterCounts, count_parameters
 from .balancing import balanced_routers, update_routing_biases
 from .block import SparseMoeBlock
+from .expert_parallel import DEDUP_EP_IMPLEMENTATION, AllToAllTraffic, DedupAllToAllEP
 from .experts import GeluExperts, GeluMLP, SwiGLUExperts, SwiGLUMLP
 from .initialization import init_moe_module
 from .losses import load_balancing_loss, router_z_loss
@@ -17,6 +18,9 @@ from .statistics import RoutingStatistics, plot_routing_heatmap, record_routing
 __all__ = [
     "SORTED_EXPERTS_IMPLEMENTATION",
     "TRITON_EXPERTS_IMPLEMENTATION",
+    "DEDUP_EP_IMPLEMENTATION",
+    "AllToAllTraffic",
+    "DedupAllToAllEP",
     "GeluExperts",
     "GeluMLP",
     "MoeLayerSpec",

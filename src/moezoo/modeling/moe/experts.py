@@ -28,8 +28,10 @@ class _ExpertLoop(nn.Module):
     ) -> torch.Tensor:
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            # (E, k, T): which (slot, token) pairs each expert serves
-            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            # (E, k, T): which (slot, token) pairs each expert serves; under expert parallelism the slots of other
+            # ranks' experts hold the sentinel id num_experts, whose row is dropped
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            expert_mask = expert_mask[: self.num_experts]
             expert_hit = expert_mask.sum(dim=(-1, -2)).nonzero().flatten().tolist()
         for expert_idx in expert_hit:
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])

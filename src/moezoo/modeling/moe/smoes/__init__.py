@@ -10,12 +10,22 @@ and inter-bin mutual-information losses that replace the host's auxiliary loss.
     losses.py      the bin-level balance loss and the inter-bin mutual information of one layer
     schedules.py   the alpha_MI warm-up and the re-binning schedule
     metrics.py     the modality specialisation index (MSI)
+    placement.py   bins on expert-parallel devices, dispatch metrics, and the bin-aligned export permutation
     regularizer.py `apply_smoes`: one training step over all MoE layers
 """
 
 from .bins import BINNING_TYPES, adaptive_bins, contiguous_bins, soft_dispatch_counts, text_preference
 from .losses import BALANCE_MODES, bin_balance_loss, inter_bin_mutual_information
 from .metrics import mean_modality_specialisation_index, modality_specialisation_index
+from .placement import (
+    DispatchMetrics,
+    bin_aligned_order,
+    check_placement,
+    device_of_expert,
+    dispatch_metrics,
+    random_routing_dispatch,
+    smoes_export_bin_aligned,
+)
 from .regularizer import SmoesLosses, apply_smoes, check_routers_trainable
 from .schedules import mi_coefficient, rebins_after
 from .scores import (
@@ -39,6 +49,7 @@ __all__ = [
     "SCORE_TYPES",
     "TEXT",
     "VISION",
+    "DispatchMetrics",
     "ModalityMoments",
     "SmoesLayerState",
     "SmoesLosses",
@@ -46,9 +57,13 @@ __all__ = [
     "adaptive_bins",
     "apply_smoes",
     "attention_mixed_scores",
+    "bin_aligned_order",
     "bin_balance_loss",
+    "check_placement",
     "check_routers_trainable",
     "contiguous_bins",
+    "device_of_expert",
+    "dispatch_metrics",
     "gaussian_scores",
     "hard_modality",
     "inter_bin_mutual_information",
@@ -56,8 +71,10 @@ __all__ = [
     "mi_coefficient",
     "modality_specialisation_index",
     "one_hot_scores",
+    "random_routing_dispatch",
     "rebins_after",
     "residual_score_update",
+    "smoes_export_bin_aligned",
     "soft_dispatch_counts",
     "text_preference",
 ]
