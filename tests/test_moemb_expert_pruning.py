@@ -12,7 +12,6 @@ from transformers import AutoModel, PretrainedConfig, Qwen3_5MoeConfig, Qwen3_5M
 
 from moezoo.cli import main
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
-from moezoo.conversion.moemb_qwen3_5 import convert
 from moezoo.conversion.moemb_expert_pruning import (
     ExpertPruning,
     ExpertSaliency,
@@ -22,11 +21,12 @@ from moezoo.conversion.moemb_expert_pruning import (
     kept_experts,
     moe_blocks,
 )
+from moezoo.conversion.moemb_qwen3_5 import convert
 from moezoo.hub.folders import read_provenance
 from moezoo.modeling.moe.block import SparseMoeBlock
 from moezoo.modeling.moe.spec import MoeLayerSpec
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.processors.build_moemb import make_moemb_processor
+from moezoo.processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 
 
 def make_model(seed=0, **overrides) -> MoEmbForEmbedding:
@@ -277,12 +277,21 @@ def test_convert_needs_keep_and_calibration_with_prune_experts():
 
 
 def test_qwen3_5_conversion_prunes_after_converting(tmp_path, calibration_file):
-    """`--prune-experts` on a Qwen3.5-MoE source reaches the pruning, which needs the source's tokenizer."""
+    """`--prune-experts` on a Qwen3.5-MoE source: the exact conversion, then the pruning, which calibrates with the
+    source's tokenizer."""
     source_config = {key: value for key, value in copy.deepcopy(TINY_MOEMB).items() if key != "emb_token_id"}
     Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**source_config)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--prune-experts reap .* needs a tokenizer"):
-        convert(tmp_path, verify=False, emb_token_id=124, prune_experts="reap", keep=5,
-                calibration=str(calibration_file[0]))  # fmt: skip
+    options = dict(prune_experts="msan", keep=5, calibration=str(calibration_file[0]), calibration_samples=4)
+    with pytest.raises(ValueError, match="--prune-experts msan .* needs a tokenizer"):
+        convert(tmp_path, verify=False, emb_token_id=124, **options)
+    tiny_tokenizer_for(MoEmbConfig(**copy.deepcopy(TINY_MOEMB))).save_pretrained(tmp_path)
+    result = convert(tmp_path, **options)
+    config = result.model.config
+    assert config.text_config.num_experts == 5 and config.pruned_from_num_experts == 8
+    differences = result.provenance["max_abs_diff_by_output"]
+    assert differences["last_hidden_state"] == differences["router_logits"] == 0.0  # the conversion is exact
+    assert result.provenance["max_abs_diff"] == differences["embeddings_after_expert_pruning"] > 0
+    assert result.provenance["expert_pruning"]["kept_expert_ids"] == config.kept_expert_ids
 
 
 def test_kept_ids_are_checked_before_any_tensor_is_sliced():
