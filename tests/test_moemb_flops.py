@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from moezoo.configuration.moemb import MOEMB_CONFIGS, TINY_MOEMB, MoEmbConfig
 from moezoo.modeling.moe.grouped_gemm_cost import (
@@ -13,6 +14,7 @@ from moezoo.modeling.moe.grouped_gemm_cost import (
     expert_tiles,
     smallest_skip_saving_a_tile,
 )
+from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.modeling.moemb_flops import TokenDecisions, TokenLayerFlops, flops_saving, logical_flops, vision_flops
 
 
@@ -65,6 +67,28 @@ def test_full_compute_counts_every_part_by_hand(tiny):
     assert flops.routed_experts == tokens * layers * 4 * 6 * 64 * 32
     assert flops.routers == tokens * layers * 2 * 64 * 8
     assert flops.vision == 0
+
+
+@torch.no_grad()
+def test_the_matrix_products_equal_torchs_flop_counter(tiny):
+    """Spec §10 E-25: the projections of every token mixer, the routers, the experts that run and the shared experts
+    of an eager forward, as `torch.utils.flop_counter` counts them (the Gated DeltaNet recurrence, chunked in
+    transformers' PyTorch fallback, and the attention scores are counted analytically, not compared)."""
+    torch.manual_seed(0)
+    model = MoEmbForEmbedding(tiny).eval()
+    model.set_experts_implementation("eager")  # a loop over the experts with the tokens each received
+    input_ids = torch.randint(1, 120, (1, 20))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, pooled_index=torch.tensor([19]))
+    matrix_products = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj",
+                       "v_proj", "o_proj", "mlp.gate", "mlp.experts", "mlp.shared_expert", "mlp.shared_expert_gate")
+    counted = sum(
+        sum(ops.values()) for module, ops in counter.get_flop_counts().items() if module.endswith(matrix_products)
+    )
+    flops = logical_flops(tiny, torch.tensor([0, 20]))
+    gdn_layers = tiny.text_config.layer_types.count("linear_attention")
+    recurrence = 20 * gdn_layers * TokenLayerFlops.from_config(tiny).gated_delta_net_recurrence
+    assert counted == flops.token_mixers - recurrence + flops.routers + flops.routed_experts + flops.shared_experts
 
 
 def test_top_k_prime_removes_its_share_of_the_routed_experts(tiny):
