@@ -201,10 +201,13 @@ def test_pruning_a_pruned_model_keeps_the_original_ids(tmp_path):
         ({"kept_expert_ids": [[0, 1, 2, 9]] * 8, "pruned_from_num_experts": 8}, r"kept_expert_ids\[0\]"),
         ({"kept_expert_ids": [[3, 1, 2, 0]] * 8, "pruned_from_num_experts": 8}, "distinct ascending"),
         ({"kept_expert_ids": [[0, 1, 2, 3]] * 8, "pruned_from_num_experts": 2}, "pruned_from_num_experts=2"),
+        ({"kept_expert_ids": [[0, 1, 2]] * 8, "pruned_from_num_experts": 8, "num_experts": 3},
+         r"num_experts_per_tok=4 exceeds the text_config.num_experts=3 experts kept by expert pruning"),
     ],
 )
 def test_invalid_pruning_fields_name_the_field(overrides, message):
-    text_config = copy.deepcopy(TINY_MOEMB["text_config"]) | {"num_experts": 4}
+    overrides = dict(overrides)
+    text_config = copy.deepcopy(TINY_MOEMB["text_config"]) | {"num_experts": overrides.pop("num_experts", 4)}
     with pytest.raises(ValueError, match=message):
         MoEmbConfig(**(copy.deepcopy(TINY_MOEMB) | {"text_config": text_config} | overrides))
 

@@ -148,6 +148,12 @@ def test_invalid_decisions_are_named(tiny, decisions, message):
         logical_flops(tiny, torch.tensor([0, 5]), decisions)
 
 
+@pytest.mark.parametrize("cu_seqlens", [[5], [0], [1, 5], [0, 5, 3]])
+def test_invalid_sequence_bounds_are_named(tiny, cu_seqlens):
+    with pytest.raises(ValueError, match="cu_seqlens must be 0 followed by"):
+        logical_flops(tiny, torch.tensor(cu_seqlens))
+
+
 def test_vision_tower_counts_by_hand(tiny):
     """Tiny tower (width 32, MLP 64, 2 blocks, 4×4-pixel patches of 2 frames): one 4×4-patch image."""
     patches, frame = 16, 16

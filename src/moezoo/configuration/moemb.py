@@ -258,10 +258,10 @@ class MoEmbConfig(PreTrainedConfig):
                 f"{text.shared_expert_intermediate_size!r}"
             )
         self._validate_modality_routing()
+        self._validate_expert_pruning()  # before the core's check of top-k, to name the pruning
         # The core validates sizes and top-k (each message names its MoeLayerSpec field).
         self.moe_layer_spec()
         self._validate_upcycling()  # after the core's check of the expert counts it compares
-        self._validate_expert_pruning()
 
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config
@@ -335,6 +335,14 @@ class MoEmbConfig(PreTrainedConfig):
         if self.moe_variant == "modality":
             raise ValueError(
                 "MoEmbConfig.kept_expert_ids does not apply to moe_variant='modality': every modality needs its expert"
+            )
+        if not _is_positive_int(text.num_experts) or not _is_positive_int(text.num_experts_per_tok):
+            return  # the core names the bad size
+        if text.num_experts_per_tok > text.num_experts:
+            raise ValueError(
+                f"MoEmbConfig.text_config.num_experts_per_tok={text.num_experts_per_tok} exceeds the "
+                f"text_config.num_experts={text.num_experts} experts kept by expert pruning (kept_expert_ids): every "
+                "token needs its top-k experts, so keep at least that many per layer"
             )
         if not _is_positive_int(original) or original < text.num_experts:
             raise ValueError(

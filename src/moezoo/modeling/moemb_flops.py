@@ -150,9 +150,14 @@ def logical_flops(
     """The logical FLOPs of a forward over the sequences of `cu_seqlens` (spec Eq. 6-7): full compute without
     `decisions`."""
     cu_seqlens = torch.as_tensor(cu_seqlens).long().cpu()
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):
+    if (
+        cu_seqlens.ndim != 1
+        or cu_seqlens.numel() < 2
+        or int(cu_seqlens[0]) != 0
+        or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any())
+    ):
         raise ValueError(f"cu_seqlens must be 0 followed by the non-decreasing end of every sequence, got {cu_seqlens}")
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     text = config.text_config
     costs = TokenLayerFlops.from_config(config)
     shape = (int(cu_seqlens[-1]), text.num_hidden_layers)
