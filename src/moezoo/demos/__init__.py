@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..terminal import console
-from . import moe_core, moe_vie, moemb, mote
+from . import moe_core, moe_vie, moemb, mote, omnimoe_vl
 
 
 # (folder name, title, stage module); each stage has `run(out_dir, quick) -> dict`.
@@ -14,6 +14,7 @@ STAGES = [
     ("moe_vie", "MoE-ViE, a MoE vision encoder trained from scratch", moe_vie),
     ("moemb", "MoEMB, a universal multimodal embedder converted from Qwen3.5-MoE", moemb),
     ("mote", "MoTE: task experts on synthetic procedure videos", mote),
+    ("omnimoe_vl", "OmniMoE-VL: a prompt-conditioned route over visual depths", omnimoe_vl),
 ]
 
 

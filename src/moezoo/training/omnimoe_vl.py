@@ -299,7 +299,7 @@ def plot_depth_routes(routes: dict[str, torch.Tensor], path: str | Path, title: 
     import matplotlib.pyplot as plt
 
     grid = torch.stack(list(routes.values())).numpy()
-    fig, axis = plt.subplots(figsize=(1.2 + 0.6 * grid.shape[1], 1.4 + 0.4 * grid.shape[0]))
+    fig, axis = plt.subplots(figsize=(max(4.5, 1.5 + 0.6 * grid.shape[1]), 1.6 + 0.4 * grid.shape[0]))
     image = axis.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(grid.max()), 1e-6))
     axis.set_xticks(range(grid.shape[1]))
     axis.set_xlabel("depth (stream)")
@@ -307,7 +307,7 @@ def plot_depth_routes(routes: dict[str, torch.Tensor], path: str | Path, title: 
     axis.set_ylabel("prompt type")
     fig.colorbar(image, ax=axis, label="mean route weight")
     if title:
-        axis.set_title(title)
+        axis.set_title(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
