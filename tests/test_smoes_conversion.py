@@ -121,3 +121,13 @@ def test_a_source_that_is_not_a_qwen3_5_moe_vlm_is_refused(tmp_path):
     assert result.returncode == 2 and "no smoes converter takes a source of type 'qwen3_5'" in result.stderr
     with pytest.raises(ValueError, match="not a Qwen3.5-MoE vision-language checkpoint"):
         convert_qwen3_5_moe_to_smoes(tmp_path / "dense")
+
+
+def test_the_paper_preset_counts_eight_of_256_experts_as_active():
+    from moezoo.registry import get_preset
+    from moezoo.zoo import preset_parameters
+
+    counts, _, _ = preset_parameters(get_preset("smoes-qwen3.5-35b-a3b"))
+    per_expert = 3 * 2048 * 512  # gate, up and down projections of one routed expert
+    assert counts.total - counts.active == 40 * (256 - 8) * per_expert
+    assert 35.0e9 < counts.total < 35.2e9

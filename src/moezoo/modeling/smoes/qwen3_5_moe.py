@@ -315,6 +315,15 @@ class SmoesQwen3_5MoeForConditionalGeneration(SmoesQwen3_5MoePreTrainedModel, Qw
             smoes_bins=smoes.bins,
         )
 
+    def active_parameter_count(self) -> int:
+        """The parameters one token uses, for `moezoo list` and model cards: each MoE layer's routed experts count
+        k / E of their size (`moezoo.modeling.moe.accounting` counts the core's `SparseMoeBlock`, not transformers'
+        Qwen3.5-MoE block)."""
+        text_config = self.config.text_config
+        unused_share = (text_config.num_experts - text_config.num_experts_per_tok) / text_config.num_experts
+        routed = sum(p.numel() for layer in self.model.language_model.layers for p in layer.mlp.experts.parameters())
+        return sum(p.numel() for p in self.parameters()) - round(routed * unused_share)
+
     def _check_smoes_training(self, language_model: SmoesQwen3_5MoeTextModel) -> None:
         text_config = self.config.text_config
         if torch.is_grad_enabled():
