@@ -26,12 +26,14 @@ from moezoo.training.omnimoe_vl import (
     OmniMoeVlCollator,
     OmniMoeVlLoss,
     OmniMoeVlTrainer,
+    OmniMoeVlTrainingOptions,
     RoutingStepCallback,
     add_train_arguments,
     conversation,
     load_omnimoe_vl_dataset,
     run_train,
     set_trainable,
+    train_omnimoe_vl,
     with_lora,
 )
 from moezoo.training.omnimoe_vl_synthetic import (
@@ -357,6 +359,20 @@ def test_train_command_resumes_and_the_next_stage_continues_the_routing_step(dat
     assert run_train(stage2) == 0
     training = json.loads((tmp_path / "stage2" / "moezoo.json").read_text())["training"]
     assert training["routing_step"] == 5
+
+
+def test_train_with_lora_merges_the_adapters_into_the_stages_experts(data_file, tmp_path):
+    create_from_preset("tiny-omnimoe_vl", tmp_path / "tiny")
+    options = OmniMoeVlTrainingOptions(stage="II", steps=2, batch_size=2, learning_rate=1e-2, lora_r=2)
+    training = train_omnimoe_vl(tmp_path / "tiny", data_file, tmp_path / "lora", options)
+    assert training["lora_r"] == 2
+    base = OmniMoeVlForConditionalGeneration.from_pretrained(tmp_path / "tiny").state_dict()
+    trained = OmniMoeVlForConditionalGeneration.from_pretrained(tmp_path / "lora").state_dict()
+    assert trained.keys() == base.keys()  # merged: no adapter left
+    changed = {name for name in base if not torch.equal(trained[name], base[name])}
+    experts = {name for name in changed if ".language_model." in name and ".mlp.experts." in name}
+    assert experts and all(name.startswith("model.projector.") or ".mlp." in name for name in changed)
+    assert not any(".vision_tower." in name or ".self_attn." in name for name in changed)
 
 
 # -------------------------------------------------------------------------------------- §9.11 and §9.12 learning

@@ -571,15 +571,15 @@ class OmniMoeVlProjector(nn.Module):
         config = self.config
         step = int(self.depth_router.routing_step)
         participation = outputs.query_weights
-        has_participation = config.query_gate != "none"
+        gated = config.query_gate != "none"  # "-Q" has no participation to regularise
         weights = {
-            "query_budget": has_participation * config.query_budget_coef * annealed_scale(
-                step, config.query_budget_min_scale, config.query_budget_anneal_steps),
-            "query_entropy": has_participation * config.query_entropy_coef * annealed_scale(
-                step, config.query_entropy_min_scale, config.query_entropy_anneal_steps),
-            "query_diversity": has_participation * config.query_diversity_coef,
+            "query_budget": config.query_budget_coef * annealed_scale(
+                step, config.query_budget_min_scale, config.query_budget_anneal_steps) if gated else 0.0,
+            "query_entropy": config.query_entropy_coef * annealed_scale(
+                step, config.query_entropy_min_scale, config.query_entropy_anneal_steps) if gated else 0.0,
+            "query_diversity": config.query_diversity_coef if gated else 0.0,
             "router_query_diversity": config.router_query_diversity_coef,
-            "router_utility": (config.router_utility == "grad") * config.router_utility_coef,
+            "router_utility": config.router_utility_coef if config.router_utility == "grad" else 0.0,
             "depth_balance": config.depth_balance_coef * annealed_scale(
                 step, config.depth_balance_min_scale, config.depth_balance_anneal_steps),
             "adapter_factor": config.adapter_factor_reg_coef,
