@@ -189,10 +189,10 @@ class OmniMoeVlCollator:
 
 def load_omnimoe_vl_dataset(source: str | Path | datasets.Dataset) -> datasets.Dataset:
     """
-    Image-question-answer examples: a `datasets.Dataset`, or a JSON / JSON Lines / CSV / Parquet file whose `image`
-    paths are relative to the file, with the columns `image`, `question` and `answer`, and optionally `system` (a
-    system message) and `prompt_type` (a label for the depth heatmap's rows). A row that lacks its image, question or
-    answer is reported by number here rather than mid-training.
+    Image-question-answer examples: a `datasets.Dataset` (of PIL images), or a JSON / JSON Lines / CSV / Parquet file
+    whose `image` paths are relative to the file, with the columns `image`, `question` and `answer`, and optionally
+    `system` (a system message) and `prompt_type` (a label for the depth heatmap's rows). A row that lacks its image,
+    question or answer is reported by number here rather than mid-training.
     """
     if isinstance(source, datasets.Dataset):
         dataset, base = source, None
