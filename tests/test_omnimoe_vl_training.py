@@ -354,11 +354,13 @@ def test_train_command_resumes_and_the_next_stage_continues_the_routing_step(dat
 
     # Stage II from Stage I's model: its schedules continue from step 3 (spec D11).
     stage2 = parser.parse_args(["--model", str(out), "--data", str(data_file), "--out", str(tmp_path / "stage2"),
-                                "--stage", "II", "--steps", "2", "--batch-size", "2",
-                                "--freeze-projector"])  # fmt: skip
+                                "--stage", "II", "--steps", "2", "--batch-size", "2", "--freeze-projector",
+                                "--router-utility", "0.35"])  # fmt: skip
     assert run_train(stage2) == 0
     training = json.loads((tmp_path / "stage2" / "moezoo.json").read_text())["training"]
     assert training["routing_step"] == 5
+    config = OmniMoeVlForConditionalGeneration.from_pretrained(tmp_path / "stage2").config
+    assert (config.router_utility, config.router_utility_coef) == ("grad", 0.35)
 
 
 def test_train_with_lora_merges_the_adapters_into_the_stages_experts(data_file, tmp_path):

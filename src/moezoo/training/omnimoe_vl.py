@@ -330,7 +330,7 @@ class OmniMoeVlTrainingOptions:
     gradient_checkpointing: bool = False
     train_projector: bool = True  # Stages II-III: the projector trains too (spec D19)
     lora_r: int = 0  # Stages II-IV: LoRA of this rank on the stage's experts (and attention in IV), merged at the end
-    router_utility: bool = False  # add L_util (the paper's; one more backward per step)
+    router_utility_coef: float = 0.0  # > 0: add L_util with this weight (the paper's 0.35; one more backward a step)
     seed: int = 0
     logging_steps: int = 10
     save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
@@ -359,8 +359,11 @@ def train_omnimoe_vl(
     checkpoint = checkpoint_to_resume(out, options)
     model, processor = load_omnimoe_vl_model(model_dir)
     dataset = load_omnimoe_vl_dataset(data)
-    if options.router_utility:
+    if options.router_utility_coef < 0:
+        raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
+    if options.router_utility_coef:  # saved with the model: the next stage keeps it
         model.config.router_utility = "grad"
+        model.config.router_utility_coef = options.router_utility_coef
     learning_rate = options.learning_rate or STAGE_LEARNING_RATES[options.stage]
     if options.lora_r:
         set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
@@ -433,15 +436,16 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--lora", dest="lora_r", type=int, default=0, metavar="R",
                         help="Stages II-IV: LoRA of rank R on the stage's experts (and attention in IV), the "
                              "projector and routers in full; merged at the end")
-    parser.add_argument("--router-utility", action="store_true",
-                        help="add the router utility supervision L_util (one more backward per step)")
+    parser.add_argument("--router-utility", type=float, default=0.0, metavar="WEIGHT",
+                        help="add the router utility supervision L_util with this weight (the paper's: 0.35; one more "
+                             "backward per step), saved in the model's config")
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
     options = OmniMoeVlTrainingOptions(
         **trainer_options(args), stage=args.stage, train_projector=not args.freeze_projector, lora_r=args.lora_r,
-        router_utility=args.router_utility,
+        router_utility_coef=args.router_utility,
     )
     training = train_omnimoe_vl(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
