@@ -10,13 +10,21 @@ depths), so `OmniMoeVlConfig()` describes it; `TINY_OMNIMOE_VL` is the spec's ti
 Every invalid value fails at construction with a `ValueError` that names the field.
 """
 
-import math
-
 from transformers import PreTrainedConfig
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.siglip.configuration_siglip import SiglipVisionConfig
 
 from ..modeling.moe.spec import MoeLayerSpec
+from .validation import (
+    require_choice,
+    require_finite,
+    require_index_list,
+    require_non_negative,
+    require_non_negative_ints,
+    require_positive,
+    require_positive_ints,
+    require_token_id,
+)
 
 
 QUERY_GATES = ("participation", "softmax", "none")  # Eq. 3; the "-Q" ablation is "none" (uniform p), spec D12
@@ -79,7 +87,7 @@ class OmniMoeVlVisionConfig(SiglipVisionConfig):
         name = "OmniMoeVlVisionConfig"
         for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
                       "patch_size", "num_experts", "num_experts_per_tok"):
-            _require_positive_int(name, field, getattr(self, field))
+            require_positive_ints(self, field)
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"{name}.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}: the tower "
@@ -89,7 +97,7 @@ class OmniMoeVlVisionConfig(SiglipVisionConfig):
             raise ValueError(
                 f"{name}.num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
             )
-        _require_layer_list(name, "moe_layers", self.moe_layers, self.num_hidden_layers, "num_hidden_layers")
+        require_index_list(self, "moe_layers", self.num_hidden_layers, "num_hidden_layers")
         if self.vision_use_head:
             raise ValueError(
                 f"{name}.vision_use_head must be False: OmniMoE-VL reads intermediate streams, not a pooled output"
@@ -98,7 +106,7 @@ class OmniMoeVlVisionConfig(SiglipVisionConfig):
             raise ValueError(
                 f"{name}.top1_straight_through=True needs num_experts_per_tok=1, got {self.num_experts_per_tok}"
             )
-        _require_non_negative(name, "router_aux_loss_coef", self.router_aux_loss_coef)
+        require_non_negative(self, "router_aux_loss_coef")
         self.moe_layer_spec()  # the core names any remaining bad value
 
 
@@ -157,14 +165,14 @@ class OmniMoeVlTextConfig(Qwen3MoeConfig):
         name = "OmniMoeVlTextConfig"
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "decoder_sparse_step"):
-            _require_positive_int(name, field, getattr(self, field))
+            require_positive_ints(self, field)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{name}.num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
                 f"{self.num_attention_heads} (grouped-query attention)"
             )
-        _require_layer_list(name, "mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers, "num_hidden_layers")
-        _require_non_negative(name, "router_aux_loss_coef", self.router_aux_loss_coef)
+        require_index_list(self, "mlp_only_layers", self.num_hidden_layers, "num_hidden_layers")
+        require_non_negative(self, "router_aux_loss_coef")
         self.moe_layer_spec()
 
 
@@ -293,23 +301,18 @@ class OmniMoeVlConfig(PreTrainedConfig):
             raise ValueError(f"{name}.text_config must be an OmniMoeVlTextConfig, got {text.model_type!r}")
         tokens = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
         for field in tokens:
-            value = getattr(self, field)
-            if not _is_int(value) or not 0 <= value < text.vocab_size:
-                raise ValueError(
-                    f"{name}.{field} must be a token id in [0, text_config.vocab_size={text.vocab_size}), got {value!r}"
-                )
+            require_token_id(self, field, text.vocab_size)
         if len({getattr(self, field) for field in tokens}) != len(tokens):
             raise ValueError(f"{name}.{', '.join(tokens)} must be three different tokens")
         taps = self.vision_feature_layers
-        _require_layer_list(name, "vision_feature_layers", taps, vision.num_hidden_layers + 1,
-                            "vision_config.num_hidden_layers + 1")
+        require_index_list(self, "vision_feature_layers", vision.num_hidden_layers + 1,
+                           "vision_config.num_hidden_layers + 1")
         if not taps or taps != sorted(taps) or 0 in taps:
             raise ValueError(
                 f"{name}.vision_feature_layers={taps} must be increasing block outputs >= 1 (hidden_states[0] is the "
                 "patch embedding, no block's output)"
             )
-        _require_layer_list(name, "injection_layers", self.injection_layers, text.num_hidden_layers,
-                            "text_config.num_hidden_layers")
+        require_index_list(self, "injection_layers", text.num_hidden_layers, "text_config.num_hidden_layers")
         if len(self.injection_layers) != len(taps):
             raise ValueError(
                 f"{name}.injection_layers has {len(self.injection_layers)} entries but vision_feature_layers has "
@@ -318,7 +321,7 @@ class OmniMoeVlConfig(PreTrainedConfig):
         for field in ("num_query_prototypes", "num_router_queries", "depth_top_k", "fusion_group_size",
                       "fusion_top_k", "injection_rank", "adapter_rank", "projector_attn_dim", "projector_attn_heads",
                       "depth_score_hidden"):
-            _require_positive_int(name, field, getattr(self, field))
+            require_positive_ints(self, field)
         for field in ("depth_top_k", "fusion_top_k"):
             if getattr(self, field) > self.num_streams:
                 raise ValueError(
@@ -337,7 +340,7 @@ class OmniMoeVlConfig(PreTrainedConfig):
             )
         for field in ("query_mix_temperature", "depth_temperature", "fusion_temperature", "prior_kernel_width",
                       "underuse_eps", "initializer_range"):
-            _require_positive(name, field, getattr(self, field))
+            require_positive(self, field)
         if not 0 < self.fusion_log_floor < 1:
             raise ValueError(f"{name}.fusion_log_floor must lie in (0, 1), got {self.fusion_log_floor!r}")
         if not 0 <= self.usage_ema_decay < 1:
@@ -346,7 +349,7 @@ class OmniMoeVlConfig(PreTrainedConfig):
                       "underuse_bonus_coef", "exploration_noise_std", "query_budget_coef", "query_entropy_coef",
                       "query_diversity_coef", "router_query_diversity_coef", "router_utility_coef",
                       "depth_balance_coef", "adapter_factor_reg_coef", "participation_target_offset"):
-            _require_non_negative(name, field, getattr(self, field))
+            require_non_negative(self, field)
         if self.prior_coef + self.route_entropy_coef <= 0:
             raise ValueError(f"{name}.prior_coef + route_entropy_coef must be > 0: it is the exploration temperature")
         if not 0 < self.participation_target_min <= self.participation_target_max:
@@ -354,64 +357,20 @@ class OmniMoeVlConfig(PreTrainedConfig):
                 f"{name}.participation_target_min={self.participation_target_min} must be > 0 and <= "
                 f"participation_target_max={self.participation_target_max}"
             )
-        for field in ("exploration_steps", "query_budget_anneal_steps", "query_entropy_anneal_steps",
-                      "depth_balance_anneal_steps"):
-            value = getattr(self, field)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"{name}.{field} must be an integer >= 0, got {value!r}")
+        require_non_negative_ints(self, "exploration_steps", "query_budget_anneal_steps", "query_entropy_anneal_steps",
+                                  "depth_balance_anneal_steps")
         for field in ("query_budget_min_scale", "query_entropy_min_scale", "depth_balance_min_scale"):
             if not 0 <= getattr(self, field) <= 1:
                 raise ValueError(f"{name}.{field} must lie in [0, 1], got {getattr(self, field)!r}")
         if self.query_entropy_sign not in (1, -1):
             raise ValueError(f"{name}.query_entropy_sign must be 1 or -1, got {self.query_entropy_sign!r}")
-        if not _is_number(self.injection_gate_init):
-            raise ValueError(f"{name}.injection_gate_init must be a finite number, got {self.injection_gate_init!r}")
+        require_finite(self, "injection_gate_init")
         if self.injection_max_relative_norm is not None:
-            _require_positive(name, "injection_max_relative_norm", self.injection_max_relative_norm)
+            require_positive(self, "injection_max_relative_norm")
         for field, choices in (("query_gate", QUERY_GATES), ("depth_router", DEPTH_ROUTERS),
                                ("injection_type", INJECTION_TYPES), ("route_coupling", ROUTE_COUPLINGS),
                                ("router_utility", ROUTER_UTILITIES)):
-            if getattr(self, field) not in choices:
-                raise ValueError(
-                    f"{name}.{field}={getattr(self, field)!r} is not one of {', '.join(map(repr, choices))}"
-                )
-
-
-# --- validation helpers: each error names the field ---------------------------------------------------------------
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require_positive_int(config: str, field: str, value) -> None:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{config}.{field} must be a positive integer, got {value!r}")
-
-
-def _require_positive(config: str, field: str, value) -> None:
-    if not _is_number(value) or value <= 0:
-        raise ValueError(f"{config}.{field} must be a number > 0, got {value!r}")
-
-
-def _require_non_negative(config: str, field: str, value) -> None:
-    if not _is_number(value) or value < 0:
-        raise ValueError(f"{config}.{field} must be a number >= 0, got {value!r}")
-
-
-def _require_layer_list(config: str, field: str, value, bound: int, bound_name: str) -> None:
-    if (
-        not isinstance(value, (list, tuple))
-        or not all(_is_int(index) and 0 <= index < bound for index in value)
-        or len(set(value)) != len(value)
-    ):
-        raise ValueError(
-            f"{config}.{field} must be a list of distinct indices in [0, {bound_name}={bound}), got {value!r}"
-        )
+            require_choice(self, field, choices)
 
 
 # --- named configurations ------------------------------------------------------------------------------------------
