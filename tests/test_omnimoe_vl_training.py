@@ -134,6 +134,13 @@ def test_the_optional_objectives_add_their_weighted_terms_to_the_loss(batch):
     torch.testing.assert_close(outputs.loss, plain(**batch).loss + extra)
 
 
+def test_no_utility_supervision_when_the_loss_does_not_depend_on_the_route(batch):
+    model = model_with(injection_gate_init=0.5, router_utility="grad", router_utility_coef=0.35)
+    route = torch.tensor([[0.5, 0.5, 0.0]] * len(batch["input_ids"]))
+    outputs = model(**batch, route_override={"fusion": route, "injection": route})
+    assert "router_utility" not in outputs.routing_losses and "depth_balance" in outputs.routing_losses
+
+
 def test_no_routing_objectives_in_eval_mode(batch):
     outputs = model_with().eval()(**batch)
     assert torch.isfinite(outputs.loss) and outputs.routing_loss is None and outputs.routing_losses is None

@@ -122,10 +122,13 @@ def utility_supervision(lm_loss: torch.Tensor, route: torch.Tensor, scores: torc
     """L_util = KL(pi || softmax(r / T)), pi = softmax(g / std(g)) with g = -dL_LM/dw, the first-order utility of each
     depth (Eq. 13; spec D12), held constant. One more backward through the language model (`autograd.grad`, which
     leaves the parameters' gradients alone). Off the route's support w_s is 0, but the injection still reads stream
-    s, so its utility is defined there too. None when the route has no gradient (a frozen projector)."""
+    s, so its utility is defined there too. None when the loss does not depend on the route (a frozen projector, or
+    a `route_override` of both uses)."""
     if not route.requires_grad:
         return None
-    (gradient,) = torch.autograd.grad(lm_loss, route, retain_graph=True)
+    (gradient,) = torch.autograd.grad(lm_loss, route, retain_graph=True, allow_unused=True)
+    if gradient is None:
+        return None
     utility = -gradient.float()
     target = torch.softmax(utility / utility.std(dim=-1, keepdim=True).clamp(min=1e-12), dim=-1)
     log_probability = torch.log_softmax(scores.float() / temperature, dim=-1)
