@@ -42,14 +42,14 @@ from .timing import DEVICES, add_threads_argument, apply_threads, time_round_rob
 # at a width a CPU decodes in tens of milliseconds per token.
 SIZES = {
     "cpu": dict(
-        vision_config=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=11, num_attention_heads=4,
+        vision_config=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=11, num_attention_heads=3,
                            image_size=224, patch_size=16, num_experts=8, num_experts_per_tok=1),
-        text_config=dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, moe_intermediate_size=1536,
-                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+        text_config=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=768,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
                          num_experts_per_tok=2, max_position_embeddings=2048, pad_token_id=0),
         image_token_id=4093, vision_start_token_id=4094, vision_end_token_id=4095,
         vision_feature_layers=[1, 3, 5, 7, 9, 11], injection_layers=list(range(6)), fusion_group_size=14,
-        injection_rank=16, adapter_rank=16, projector_attn_dim=256, projector_attn_heads=4, depth_score_hidden=256,
+        injection_rank=16, adapter_rank=16, projector_attn_dim=128, projector_attn_heads=4, depth_score_hidden=128,
     ),
     "tiny": TINY_OMNIMOE_VL,
     "mid": MID_OMNIMOE_VL,
@@ -210,7 +210,7 @@ def print_omnimoe_vl_table(rows: Sequence[GenerationBenchRow], title: str) -> No
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `moezoo bench omnimoe_vl`."""
     parser.add_argument("--size", choices=list(SIZES), default=DEFAULT_SIZE,
-                        help="cpu (vision width 256, 11 blocks, 196 patches; language width 512, 8 layers; 6 streams), "
+                        help="cpu (vision width 192, 11 blocks, 196 patches; language width 256, 8 layers; 6 streams), "
                              "tiny (tests), mid (omnimoe-vl-qwen3-1.7b) or paper (omnimoe-vl-qwen3-8b: a GPU's "
                              "work)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=1)
