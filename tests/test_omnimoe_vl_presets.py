@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_moezoo
+from moezoo.cli import main
 from moezoo.configuration.omnimoe_vl import TINY_OMNIMOE_VL, OmniMoeVlConfig, OmniMoeVlVisionConfig
 from moezoo.modeling.moe.accounting import count_parameters
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration, OmniMoeVlVisionModel
@@ -111,10 +111,9 @@ def test_paper_configuration_counts_equal_the_spec_numbers():
     assert whole.active == active + vision.active + projector
 
 
-def test_moezoo_list_prints_the_reconciliation_of_the_paper_claim():
-    result = run_moezoo("list", "--json")
-    assert result.returncode == 0, result.stderr
-    presets = {row["name"]: row for row in json.loads(result.stdout)}
+def test_moezoo_list_prints_the_reconciliation_of_the_paper_claim(capsys):
+    assert main(["list", "--json"]) == 0
+    presets = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     paper = presets["omnimoe-vl-qwen3-8b"]
     assert (paper["claimed_total_parameters"], paper["claimed_active_parameters"]) == (28_000_000_000, 9_000_000_000)
     parts = {part["part"]: part for part in paper["claim_parts"]}
@@ -125,9 +124,8 @@ def test_moezoo_list_prints_the_reconciliation_of_the_paper_claim():
     assert presets["omnimoe-vl-qwen3-1.7b"]["claimed_total_parameters"] is None
     assert presets["tiny-omnimoe_vl"]["claim_parts"] == []
 
-    table = run_moezoo("list")
-    assert table.returncode == 0, table.stderr
-    line = next(line for line in table.stdout.splitlines() if line.startswith("omnimoe-vl-qwen3-8b:"))
+    assert main(["list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("omnimoe-vl-qwen3-8b:"))
     assert "the paper states 28B total / 9B active (§5.2, Table 2); counted here 31.3B / 12.5B" in line
     assert "language model without embeddings 26B / 9.66B" in line
 
