@@ -131,3 +131,14 @@ def test_the_paper_preset_counts_eight_of_256_experts_as_active():
     per_expert = 3 * 2048 * 512  # gate, up and down projections of one routed expert
     assert counts.total - counts.active == 40 * (256 - 8) * per_expert
     assert 35.0e9 < counts.total < 35.2e9
+
+
+def test_a_bfloat16_checkpoint_keeps_its_dtypes_and_its_logits(base, tmp_path):
+    """Qwen3.5 keeps its rotary frequencies in float32 beside bfloat16 weights; a cast of either changes the logits."""
+    base_bf16 = Qwen3_5MoeForConditionalGeneration.from_pretrained(base.name_or_path, dtype=torch.bfloat16).eval()
+    base_bf16.save_pretrained(tmp_path / "bf16")
+    model, report = convert_qwen3_5_moe_to_smoes(tmp_path / "bf16", num_bins=2)
+    assert report["dtype"] == "bfloat16" and report["max_abs_diff"] == 0.0
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.language_model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.model.language_model.layers[0].mlp.smoes.gauss_mean.dtype == torch.float32

@@ -25,6 +25,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from ..configuration.smoes import SmoesQwen3_5MoeConfig
 from ..modeling.moe.smoes.scores import SCORE_TYPES
+from ..modeling.moe.smoes.state import SmoesLayerState
 from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
 from ..processors.build_smoes import make_smoes_processor
 from ..terminal import quiet_libraries
@@ -68,26 +69,31 @@ def smoes_config_from(source_config: dict, smoes_fields: dict) -> SmoesQwen3_5Mo
 def copy_source_tensors(
     source: Qwen3_5MoeForConditionalGeneration, model: SmoesQwen3_5MoeForConditionalGeneration
 ) -> dict:
-    """Copy every tensor of `source` into `model` and prove it: the keys match but for the SMoES buffers, which keep
-    their initial values, and every tensor is bit-exact, dtype included. Returns the accounting."""
+    """Give `model` every tensor of `source`, as they are (dtype included: Qwen3.5 keeps its rotary frequencies in
+    float32 beside bfloat16 weights), and prove it: the keys match but for the SMoES buffers, which keep their initial
+    values, and every tensor, buffers included, is bit-exact. Returns the accounting."""
     source_state = source.state_dict()
     smoes_buffers = {
-        name for name, _ in model.named_buffers() if ".smoes." in f".{name}" or name.endswith("smoes_step")
-    }
-    result = model.load_state_dict(source_state, strict=False)
+        f"{module_name}.{buffer_name}"
+        for module_name, module in model.named_modules() if isinstance(module, SmoesLayerState)
+        for buffer_name, _ in module.named_buffers()
+    } | {"model.language_model.smoes_step"}  # fmt: skip
+    # `assign` takes the source tensors themselves: no cast into the model's dtype, no second copy in memory.
+    result = model.load_state_dict(source_state, strict=False, assign=True)
     if result.unexpected_keys:
         raise ValueError(f"the SMoES model has no place for the source tensors {sorted(result.unexpected_keys)[:8]}")
     not_smoes = sorted(set(result.missing_keys) - smoes_buffers)
     if not_smoes:
         raise ValueError(f"the source checkpoint lacks {not_smoes[:8]}, which the SMoES model needs")
-    # Non-persistent buffers (the rotary frequencies) are not in a state dict, so they are copied by name.
-    model_buffers = dict(model.named_buffers())
+    # Non-persistent buffers (the rotary frequencies) are not in a state dict: they are set by name.
     for name, buffer in source.named_buffers():
-        model_buffers[name].copy_(buffer)
-    model_state = model.state_dict()
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, buffer.clone())
+    model_tensors = dict(model.state_dict()) | dict(model.named_buffers())
+    source_tensors = source_state | dict(source.named_buffers())
     inexact = [
-        key for key, tensor in source_state.items()
-        if model_state[key].dtype != tensor.dtype or not torch.equal(model_state[key], tensor)
+        key for key, tensor in source_tensors.items()
+        if model_tensors[key].dtype != tensor.dtype or not torch.equal(model_tensors[key], tensor)
     ]  # fmt: skip
     if inexact:
         raise ValueError(f"tensors changed in the copy: {inexact[:8]}")
@@ -182,11 +188,11 @@ def convert_qwen3_5_moe_to_smoes(
     with quiet_libraries():
         base = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(folder), dtype="auto").eval()
     dtype = next(base.parameters()).dtype
-    # Built on the meta device and materialised in the source's dtype: every tensor is then overwritten by the copy
-    # or by the SMoES buffers' initial values, so no random initialisation is spent on a large model.
+    # Built on the meta device and materialised uninitialised: every tensor is then the source's or an SMoES buffer's
+    # initial value, so no random initialisation is spent on a large model.
     with torch.device("meta"):
         model = SmoesQwen3_5MoeForConditionalGeneration(config)
-    model = model.to(dtype).to_empty(device="cpu")
+    model = model.to_empty(device="cpu")
     for state in model.model.language_model.smoes_states:
         state.init_buffers()
     model.model.language_model.smoes_step.zero_()
