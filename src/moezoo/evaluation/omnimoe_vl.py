@@ -210,7 +210,10 @@ def _inputs(model, processor, examples: Sequence[VqaExample], questions: Sequenc
             messages.append({"role": "assistant", "content": [{"type": "text", "text": answers[index]}]})
         texts.append(processor.apply_chat_template(messages, add_generation_prompt=answers is None))
     images = [open_image(example.image) for example in examples]
-    inputs = processor(images=images, text=texts, padding=True, return_tensors="pt", return_labels=answers is not None)
+    # Left padding (the processor's default, asked for all the same): batched generation needs it, and `answer_nll`
+    # relies on every answer ending its row.
+    inputs = processor(images=images, text=texts, padding=True, padding_side="left", return_tensors="pt",
+                       return_labels=answers is not None)
     if answers is not None:
         labels = inputs["labels"]
         labels[labels == processor.tokenizer.convert_tokens_to_ids(IM_END)] = IGNORE_INDEX
