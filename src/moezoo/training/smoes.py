@@ -27,6 +27,7 @@ from pathlib import Path
 import datasets
 import torch
 from peft import LoraConfig
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Trainer, set_seed
 
@@ -82,28 +83,33 @@ def set_trainable(model: SmoesQwen3_5MoeForConditionalGeneration, freeze_routers
 
 
 class SmoesLoraModel(PeftModelWithTrainedBase):
-    """PEFT's model of `with_lora`, whose checkpoints keep the routers (trained in full) and the SMoES buffers beside
-    the adapters: PEFT's adapter files hold neither, and a resumed run would restart them from the base model."""
+    """PEFT's model of `with_lora`, whose checkpoints keep the routers (trained in full unless frozen) and the SMoES
+    buffers beside the adapters: PEFT's adapter files hold neither, and a resumed run would restart them from the
+    base model."""
 
     SMOES_BUFFERS_FILE = "smoes_buffers.safetensors"
 
+    def __init__(self, model, config: LoraConfig, train_routers: bool):
+        super().__init__(model, config)
+        self.train_routers = train_routers
+
     def trained_base_parameters(self) -> dict[str, nn.Parameter]:
-        return {name: p for name, p in router_weights(self.get_base_model()).items() if p.requires_grad}
+        return router_weights(self.get_base_model()) if self.train_routers else {}
 
     def smoes_buffers(self) -> dict[str, torch.Tensor]:
-        return {name: b for name, b in self.get_base_model().named_buffers() if ".smoes." in name or "smoes_step" in name}
+        """Each MoE layer's `mlp.smoes.*` buffers and the language model's `smoes_step`, by name."""
+        return {
+            name: buffer for name, buffer in self.get_base_model().named_buffers()
+            if ".mlp.smoes." in name or name.endswith(".smoes_step")
+        }  # fmt: skip
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
-        from safetensors.torch import save_file
-
         super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
         if is_main_process:
             tensors = {name: buffer.contiguous() for name, buffer in self.smoes_buffers().items()}
             save_file(tensors, str(Path(save_directory) / self.SMOES_BUFFERS_FILE))
 
     def load_adapter(self, model_id, adapter_name: str, is_trainable: bool = False, **kwargs):
-        from safetensors.torch import load_file
-
         result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
         path = Path(model_id) / self.SMOES_BUFFERS_FILE
         if path.is_file():
@@ -127,12 +133,9 @@ def with_lora(
     })  # fmt: skip
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention,
                         target_parameters=experts)  # fmt: skip
-    peft_model = SmoesLoraModel(model, config)
-    for parameter in peft_model.trained_base_parameters().values():
+    peft_model = SmoesLoraModel(model, config, train_routers=not freeze_routers)
+    for parameter in peft_model.trained_base_parameters().values():  # PEFT froze the base model
         parameter.requires_grad_(True)
-    if not freeze_routers:
-        for parameter in router_weights(model).values():
-            parameter.requires_grad_(True)
     return peft_model
 
 
