@@ -107,10 +107,11 @@ def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) 
 
 
 
-def check_zoo_experts(implementation: str) -> None:
+def check_zoo_experts(implementation: str, routing: str) -> None:
     """The zoo's own `SwiGLUExperts` (eager, then moezoo's CPU implementation) behind `DedupAllToAllEP`, each rank
     holding its contiguous expert range: outputs and input gradients equal one process, and each rank's expert
-    gradients are the slice of the reference's over every rank's tokens."""
+    gradients are the slice of the reference's over every rank's tokens. With `routing="first-rank"` every token
+    picks rank 0's experts, so the other ranks receive nothing and must still join the backward exchanges."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import PreTrainedConfig
@@ -130,7 +131,7 @@ def check_zoo_experts(implementation: str) -> None:
         reference.gate_up_proj.normal_(std=0.25)
         reference.down_proj.normal_(std=0.35)
     hidden_states = torch.randn(world, 10, 16, requires_grad=True)
-    top_k_index = torch.rand(world, 10, 8).topk(3).indices
+    top_k_index = torch.rand(world, 10, 8 if routing == "random" else 8 // world).topk(3).indices
     top_k_weights = torch.rand(world, 10, 3, requires_grad=True)
     outputs = [reference(*inputs) for inputs in zip(hidden_states, top_k_index, top_k_weights)]
     torch.stack(outputs).square().sum().backward()
@@ -302,12 +303,13 @@ def test_export_refuses_group_limited_routing_and_uneven_placements(binned_smoes
 
 @pytest.mark.slow
 def test_dedup_ep_runs_the_zoo_experts(tmp_path):
-    run_processes(2, "zoo-experts", "eager")
-    run_processes(2, "zoo-experts", SORTED_EXPERTS_IMPLEMENTATION)
+    run_processes(2, "zoo-experts", "eager", "random")
+    run_processes(2, "zoo-experts", SORTED_EXPERTS_IMPLEMENTATION, "random")
+    run_processes(2, "zoo-experts", "eager", "first-rank")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "zoo-experts":
-        check_zoo_experts(sys.argv[2])
+        check_zoo_experts(*sys.argv[2:])
     else:
         check_expert_parallel(*sys.argv[1:])
