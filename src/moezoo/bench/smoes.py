@@ -60,19 +60,20 @@ NUM_CLASSES = 4
 
 
 def bench_config(**text_fields) -> SmoesQwen3_5MoeConfig:
+    """The benchmark's model: the tiny preset with `BENCH_TEXT_CONFIG`, and `text_fields` on top."""
     return SmoesQwen3_5MoeConfig(**{**TINY_SMOES, "text_config": {**BENCH_TEXT_CONFIG, **text_fields}})
 
 
 def synthetic_batch(config: SmoesQwen3_5MoeConfig, batch_size: int, generator: torch.Generator) -> dict:
     """Captioned images of `NUM_CLASSES` classes: each image is its class's pixel pattern plus noise, each caption its
-    class's fixed token sequence. Sequences: vision_start, 16 image tokens, vision_end, the caption (73% vision)."""
+    class's fixed token sequence. Sequences: vision_start, 16 image tokens, vision_end, the caption (2/3 vision)."""
     vision = config.vision_config
     patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     grid = (1, IMAGE_SIZE // vision.patch_size, IMAGE_SIZE // vision.patch_size)
     patches, image_tokens = grid[1] * grid[2], grid[1] * grid[2] // vision.spatial_merge_size**2
     class_generator = torch.Generator().manual_seed(1234)  # the classes are the same in every batch
     patterns = torch.randn(NUM_CLASSES, patches, patch_values, generator=class_generator)
-    captions = torch.randint(4, 500, (NUM_CLASSES, CAPTION_TOKENS), generator=class_generator)
+    captions = torch.randint(4, config.image_token_id, (NUM_CLASSES, CAPTION_TOKENS), generator=class_generator)
 
     classes = torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
     noise = 0.5 * torch.randn(batch_size, patches, patch_values, generator=generator)
