@@ -21,6 +21,7 @@ from transformers import PreTrainedConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig, Qwen3_5MoeVisionConfig
 
 from ..modeling.moe.spec import MoeLayerSpec
+from .moemb_adaptive import AdaptiveSettings, check_adaptive_settings
 
 
 MOE_VARIANTS = ("native", "upcycled", "modality")
@@ -113,6 +114,9 @@ class MoEmbConfig(PreTrainedConfig):
         kept_expert_ids / pruned_from_num_experts: provenance of static expert pruning (spec §3.11): for every layer
             the ids, in the unpruned model, of the `text_config.num_experts` experts kept (ascending; the same number
             in every layer), and how many experts each layer had before. Both None for an unpruned model.
+        adaptive: inference-time adaptive computation (spec §3.3-3.9, §3.12) as the dict of an `AdaptiveSettings`
+            (`moezoo.configuration.moemb_adaptive`): token pruning, expert skipping and adaptive top-k; None (or
+            no method set) is the full forward. `model(..., adaptive=...)` overrides it for one call.
     """
 
     model_type = "moemb"
@@ -140,6 +144,7 @@ class MoEmbConfig(PreTrainedConfig):
     modality_expert_map: dict | None = None
     kept_expert_ids: list[list[int]] | None = None
     pruned_from_num_experts: int | None = None
+    adaptive: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -262,6 +267,12 @@ class MoEmbConfig(PreTrainedConfig):
         # The core validates sizes and top-k (each message names its MoeLayerSpec field).
         self.moe_layer_spec()
         self._validate_upcycling()  # after the core's check of the expert counts it compares
+        self._validate_adaptive()
+
+    def _validate_adaptive(self) -> None:
+        if self.adaptive is not None and not isinstance(self.adaptive, dict):
+            raise ValueError(f"MoEmbConfig.adaptive must be a dict of AdaptiveSettings fields, got {self.adaptive!r}")
+        check_adaptive_settings(AdaptiveSettings.from_dict(self.adaptive), self.text_config, self.moe_variant)
 
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config

@@ -49,10 +49,12 @@ from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig, MoEmbTextConfig
+from ..configuration.moemb_adaptive import AdaptiveSettings, check_adaptive_settings
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
 from .moe.pretrained import MoePreTrainedMixin
 from .moe.statistics import record_routing
+from .moemb_adaptive.forward import AdaptiveForward, AdaptiveReport, TokenMetadata
 
 
 try:  # flash-linear-attention: varlen Gated DeltaNet kernels (GPU)
@@ -80,6 +82,9 @@ class MoEmbModelOutput(ModelOutput):
         `output_router_logits=True`): fp32 router logits of the non-padding tokens, in row-major token order.
     routing_counts (`(num_layers, 3, num_experts)` int64, *optional*, with `output_routing_counts=True`): (token,
         slot) assignments per layer, expert and token modality (text, image, video), padding excluded.
+    adaptive (`AdaptiveReport`, *optional*, with adaptive computation on): the forward's logical FLOPs, its saving
+        S(a) against full compute, and the realised token-drop, expert-skip and slot-skip rates per layer and
+        modality. With token pruning, the hidden states of the layers after the pruning hold the kept tokens only.
     """
 
     last_hidden_state: torch.Tensor | None = None
@@ -87,6 +92,7 @@ class MoEmbModelOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     routing_counts: torch.Tensor | None = None
+    adaptive: AdaptiveReport | None = None
 
 
 @dataclass
@@ -266,11 +272,14 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
         token_mask: torch.Tensor | None = None,  # (B, S), 1 = token to route; None = all
         routes: torch.Tensor | None = None,  # (B, S) expert ids of the modality variant's fixed routing
         packed: PackedSequences | None = None,
+        adaptive: AdaptiveForward | None = None,
         **kwargs: Unpack[FlashAttentionKwargs],
     ) -> torch.Tensor:
         """The new hidden states; the attention weights and router logits are recorded by `capture_outputs` hooks on
-        the attention and the MoE block."""
+        the attention and the MoE block. Adaptive computation reads β here and post-processes the routed slots."""
         mixer_input = self.input_layernorm(hidden_states)
+        if adaptive is not None:
+            adaptive.read_beta(self.layer_idx, getattr(self, "linear_attn", None), mixer_input)
         if self.layer_type == "linear_attention":
             if packed is not None:
                 mixer_output = packed_gated_delta_net(self.linear_attn, mixer_input, packed)
@@ -284,7 +293,10 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
             )
         hidden_states = hidden_states + mixer_output
 
-        moe_output, _ = self.mlp(self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes)
+        with adaptive.routing(self.layer_idx, self.mlp.gate) if adaptive is not None else nullcontext():
+            moe_output, _ = self.mlp(
+                self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes
+            )
         return hidden_states + moe_output
 
 
@@ -361,6 +373,7 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
         mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: all text
         cu_seqlens: torch.Tensor | None = None,  # (B + 1,) item bounds of a packed batch
         output_routing_counts: bool = False,
+        adaptive: AdaptiveForward | None = None,  # built by MoEmbModel from the adaptive settings
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
         check_text_inputs(input_ids, inputs_embeds)
@@ -381,21 +394,7 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
             position_ids = position_ids[None].expand(3, -1, -1)
 
         hidden_states = inputs_embeds
-        if packed is not None:
-            masks = {
-                "full_attention": create_causal_mask(
-                    config=self.config, inputs_embeds=hidden_states, attention_mask=None, cache=None,
-                    and_mask_function=packed_sequence_mask_function(packed.segment_ids[None]),
-                ),
-                "linear_attention": None,  # sequences are kept apart by running them one by one
-            }  # fmt: skip
-        else:
-            masks = {
-                "full_attention": create_causal_mask(
-                    config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, cache=None
-                ),
-                "linear_attention": create_recurrent_attention_mask(self.config, hidden_states, attention_mask),
-            }
+        masks = self.layer_masks(hidden_states, attention_mask, packed)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         routes = None
         if self.modality_expert_map is not None:
@@ -413,8 +412,16 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
                     token_mask=attention_mask,
                     routes=routes,
                     packed=packed,
+                    adaptive=adaptive,
                     **kwargs,
                 )
+                if adaptive is not None and adaptive.pending_drop is not None:  # one-shot token pruning
+                    hidden_states, position_embeddings, attention_mask = adaptive.remove_dropped(
+                        hidden_states, position_embeddings
+                    )
+                    masks = self.layer_masks(hidden_states, attention_mask, packed)
+        if adaptive is not None:
+            hidden_states = adaptive.restore_layout(hidden_states)
         return MoEmbModelOutput(
             last_hidden_state=self.norm(hidden_states),
             routing_counts=(
@@ -422,7 +429,27 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
                 if output_routing_counts
                 else None
             ),
+            adaptive=adaptive.report(cu_seqlens) if adaptive is not None else None,
         )
+
+    def layer_masks(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, packed: PackedSequences | None
+    ) -> dict:
+        """The attention mask of each layer type: 4D causal for attention, 2D padding for Gated DeltaNet."""
+        if packed is not None:
+            return {
+                "full_attention": create_causal_mask(
+                    config=self.config, inputs_embeds=hidden_states, attention_mask=None, cache=None,
+                    and_mask_function=packed_sequence_mask_function(packed.segment_ids[None]),
+                ),
+                "linear_attention": None,  # sequences are kept apart by running them one by one
+            }  # fmt: skip
+        return {
+            "full_attention": create_causal_mask(
+                config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, cache=None
+            ),
+            "linear_attention": create_recurrent_attention_mask(self.config, hidden_states, attention_mask),
+        }
 
     def _routing_recorder(self, enabled: bool):
         if not enabled:
@@ -473,11 +500,14 @@ class MoEmbModel(MoEmbPreTrainedModel):
         mm_token_type_ids: torch.Tensor | None = None,  # (B, S) 0 text, 1 image, 2 video; default: the placeholders
         cu_seqlens: torch.Tensor | None = None,  # (B + 1,) item bounds of a packed batch
         output_routing_counts: bool = False,
+        pooled_index: torch.LongTensor | None = None,  # (B,) the pooled tokens, which adaptive computation keeps
+        adaptive: AdaptiveSettings | dict | None = None,  # overrides config.adaptive for this call; {}: none
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbModelOutput:
         check_text_inputs(input_ids, inputs_embeds)
         # Validated before the vision tower runs: a malformed batch fails fast.
         packed = packed_sequences(input_ids, inputs_embeds, attention_mask, cu_seqlens)
+        settings = self.adaptive_settings(adaptive, packed)
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         if mm_token_type_ids is None:
@@ -497,6 +527,18 @@ class MoEmbModel(MoEmbPreTrainedModel):
             position_ids = self.rope_positions(
                 mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, packed
             )  # without visual inputs, the text model's own text positions are the same as Qwen's
+        adaptive_forward = None
+        if settings is not None:
+            if position_ids is None:
+                position_ids = text_positions(inputs_embeds.shape[:2], attention_mask, packed, inputs_embeds.device)
+            metadata = TokenMetadata.from_inputs(
+                mm_token_type_ids,
+                attention_mask,
+                position_ids if position_ids.ndim == 3 else position_ids[None].expand(3, -1, -1),
+                pooled_index,
+                packed.segment_ids if packed is not None else None,
+            )
+            adaptive_forward = AdaptiveForward(settings, self.config, metadata, (image_grid_thw, video_grid_thw))
         return self.language_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -504,8 +546,27 @@ class MoEmbModel(MoEmbPreTrainedModel):
             mm_token_type_ids=mm_token_type_ids,
             cu_seqlens=cu_seqlens,
             output_routing_counts=output_routing_counts,
+            adaptive=adaptive_forward,
             **kwargs,
         )
+
+    def adaptive_settings(
+        self, adaptive: AdaptiveSettings | dict | None, packed: PackedSequences | None
+    ) -> AdaptiveSettings | None:
+        """The adaptive computation of this call: the keyword's (checked), else the config's; None for none."""
+        if adaptive is None:
+            settings = AdaptiveSettings.from_dict(self.config.adaptive)
+        else:
+            settings = AdaptiveSettings.from_dict(adaptive)
+            check_adaptive_settings(settings, self.config.text_config, self.config.moe_variant, "model(adaptive=...): ")
+        if settings is None or not settings.is_active:
+            return None
+        if settings.token_pruning is not None and packed is not None:
+            raise ValueError(
+                "adaptive token_pruning runs on padded batches (input_ids (B, S) with attention_mask); pass the items "
+                "padded rather than packed with cu_seqlens"
+            )
+        return settings
 
     def rope_positions(
         self,
@@ -566,10 +627,12 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
         cu_seqlens: torch.Tensor | None = None,
         pooled_index: torch.LongTensor | None = None,  # (B,) position of each item's pooled token
         output_routing_counts: bool = False,
+        adaptive: AdaptiveSettings | dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoEmbOutput:
         """Inputs as `MoEmbModel.forward` (what the processor returns), plus an optional `pooled_index`: for padded
-        batches the position in each row, for packed ones the position in the packed row."""
+        batches the position in each row, for packed ones the position in the packed row. `adaptive` overrides
+        `config.adaptive` for this call (`{}` turns it off)."""
         check_text_inputs(input_ids, inputs_embeds)
         self._check_visual_inputs(input_ids, inputs_embeds, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                   pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
@@ -587,6 +650,8 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
             mm_token_type_ids=mm_token_type_ids,
             cu_seqlens=cu_seqlens,
             output_routing_counts=output_routing_counts,
+            pooled_index=pooled_index,
+            adaptive=adaptive,
             return_dict=True,
             **kwargs,
         )
