@@ -192,6 +192,16 @@ def test_dedup_and_stock_ep_match_one_process_and_send_the_analytic_rows(model_d
 
 
 
+def test_importing_moezoo_registers_the_dedup_ep():
+    from conftest import run_python
+
+    run_python("""
+        import moezoo
+        from transformers.distributed.expert_parallel import EPImplementationInterface
+        assert EPImplementationInterface()["dedup"].__name__ == "DedupAllToAllEP"
+    """)
+
+
 # --- placement and analytic dispatch metrics (single process) -----------------------------------------------------
 
 
