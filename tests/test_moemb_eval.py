@@ -250,6 +250,51 @@ def test_eval_command(tiny_moemb, tmp_path, capsys):
     assert "MRMR per subtask" in printed and "MRMR overall (mean over subtasks)" in printed
 
 
+def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb, tmp_path, capsys):
+    data = ShapeRetrieval()
+    data.mmeb_eval_task("image_to_text", 3, 4, torch.Generator().manual_seed(0), tmp_path / "images").to_json(
+        tmp_path / "image_to_text.jsonl"
+    )
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+
+    def evaluate(*options):
+        arguments = ["--model", str(tiny_moemb), "--benchmark", "mmeb", "--data", str(tmp_path), "--json", *options]
+        assert run_eval(parser.parse_args(arguments)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full = evaluate()
+    assert "adaptive" not in full  # no action: the evaluation as before
+    keep_all = evaluate("--action", "topk", "--k", str(TINY_MOEMB["text_config"]["num_experts_per_tok"]))
+    assert keep_all["tasks"] == full["tasks"] and keep_all["adaptive"]["flops_saving"] == 0.0
+    combined = evaluate("--action", "topk", "gdn-prune", "--k", "2", "--keep", "0.5")
+    summary = combined["adaptive"]
+    assert summary["settings"] == {"top_k": "uniform", "token_pruning": "gdn_beta", "experts_per_token": 2,
+                                   "keep_ratio": 0.5}  # fmt: skip
+    assert 0 < summary["flops_saving"] < 1 and summary["slot_skip_ratio"] >= 0.5
+    assert summary["logical_gflops"] == pytest.approx((1 - summary["flops_saving"]) * summary["full_gflops"])
+
+    # MoDES calibrated on MMEB training rows (two image queries, two text targets) outside the evaluation data
+    rows = [{"qry": "<|image_1|> Find a caption.", "qry_image_path": str(path), "pos_text": "a shape",
+             "pos_image_path": ""} for path in sorted((tmp_path / "images").iterdir())[:2]]  # fmt: skip
+    calibration = tmp_path / "calibration" / "rows.jsonl"
+    calibration.parent.mkdir()
+    calibration.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    modes = evaluate("--action", "modes", "--target-skip", "0.3", "--calibration", str(calibration),
+                     "--calibration-samples", "4", "--batch-size", "4")  # fmt: skip
+    assert set(modes["adaptive"]["settings"]) == {"top_k", "modes_thresholds", "modes_layer_scales"}
+    assert modes["adaptive"]["flops_saving"] > 0
+    bad_options = [
+        (["--action", "topk", "modes", "--k", "2"], "--action takes one top_k method, got 'uniform' and 'modes'"),
+        (["--action", "modes"], "--action modes needs --target-skip and --calibration"),
+        (["--action", "topk", "--k", "9"], "--action: adaptive.experts_per_token=9"),
+    ]
+    for options, message in bad_options:
+        with pytest.raises(ValueError, match=message):
+            run_eval(parser.parse_args(["--model", str(tiny_moemb), "--benchmark", "mmeb", "--data", str(tmp_path),
+                                        *options]))  # fmt: skip
+
+
 # --- the benchmark ---------------------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,10 @@
   MRMR's format: per task a folder of `query`, `corpus` and `qrels` tables (`id`, `text`, `image`, `image 1`, ...,
   a `category` per query; `query_id`, `corpus_id`, `score`). The summary is the mean over subtasks (categories).
 
+With `--action` (one or several, one per family), the model runs with inference-time adaptive computation (spec
+§3.3-3.9, §3.12: `moezoo.configuration.moemb_adaptive`) and the results report its logical FLOPs saving S(a) over
+every forward of the evaluation beside the scores.
+
 Ranks break ties against the model: a wrong candidate scoring exactly as high as a right one ranks before it, so a
 collapsed model (all embeddings equal) scores 0. Identical inputs are embedded once (MMEB repeats candidates).
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..configuration.moemb_adaptive import AdaptiveSettings, check_adaptive_settings
 from ..hub.sources import model_folder
 from ..processors.moemb import IMAGE_TOKEN, mmeb_input, normalize_input
 from ..terminal import console, print_table, progress_bar
@@ -392,6 +397,105 @@ def print_evaluation(results: dict) -> None:
     console.print(f"{name} overall (mean over {over}): {results['overall']:.4f}")
 
 
+# --- adaptive computation -----------------------------------------------------------------------------------------
+
+# `--action` name -> (AdaptiveSettings family, method)
+ACTIONS = {
+    "gdn-prune": ("token_pruning", "gdn_beta"),
+    "beta-skip": ("expert_skip", "beta_rank"),
+    "beta-threshold": ("expert_skip", "beta_threshold"),
+    "otsu-beta": ("expert_skip", "otsu_beta"),
+    "otsu-logit": ("expert_skip", "otsu_router_logit"),
+    "topk": ("top_k", "uniform"),
+    "modes": ("top_k", "modes"),
+    "threshold": ("top_k", "threshold"),
+}
+# command-line option -> AdaptiveSettings field
+ACTION_OPTIONS = {
+    "keep": "keep_ratio",
+    "prune_after_layer": "prune_after_layer",
+    "skip_fraction": "skip_fraction",
+    "beta_threshold": "beta_threshold",
+    "otsu_min_cv": "otsu_min_cv",
+    "k": "experts_per_token",
+    "score_threshold": "score_threshold",
+    "min_experts": "min_experts_per_token",
+}
+
+
+def adaptive_settings(args: argparse.Namespace, model, processor) -> dict | None:
+    """The adaptive settings the command line asks for, on top of the model's own (a MoEMB folder may store
+    calibrated MoDES settings); None without `--action`. `--target-skip` calibrates MoDES on `--calibration`."""
+    if not args.action:
+        return None
+    settings = {}
+    for action in args.action:
+        family, method = ACTIONS[action]
+        if family in settings:
+            raise ValueError(f"--action takes one {family} method, got {settings[family]!r} and {method!r}")
+        settings[family] = method
+    settings |= {field: getattr(args, option) for option, field in ACTION_OPTIONS.items()
+                 if getattr(args, option) is not None}  # fmt: skip
+    if settings.get("top_k") == "modes":
+        settings |= modes_settings(args, model, processor)
+    check_adaptive_settings(
+        AdaptiveSettings.from_dict(settings), model.config.text_config, model.config.moe_variant, "--action: "
+    )
+    return settings
+
+
+def modes_settings(args: argparse.Namespace, model, processor) -> dict:
+    """MoDES thresholds and layer scales: calibrated for `--target-skip` on `--calibration`, else the model's."""
+    from ..conversion.moemb_expert_pruning import calibration_inputs
+    from ..modeling.moemb_adaptive import calibrate_modes
+
+    if args.target_skip is None:
+        stored = AdaptiveSettings.from_dict(model.config.adaptive) or AdaptiveSettings()
+        if stored.modes_thresholds is None:
+            raise ValueError(
+                "--action modes needs --target-skip and --calibration (MMEB training-format data with text and "
+                "images) to calibrate MoDES, or a model whose config holds calibrated MoDES settings"
+            )
+        return {"modes_thresholds": stored.modes_thresholds, "modes_layer_scales": stored.modes_layer_scales}
+    if args.calibration is None:
+        raise ValueError("--target-skip calibrates MoDES on --calibration FILE (MMEB training format): pass it")
+    items = calibration_inputs(args.calibration, args.calibration_samples)
+    batches = [processor(items[start : start + args.batch_size]).to(model.device)
+               for start in range(0, len(items), args.batch_size)]  # fmt: skip
+    calibrated = calibrate_modes(model, batches, args.target_skip)
+    return {key: calibrated[key] for key in ("modes_thresholds", "modes_layer_scales")}
+
+
+class FlopsTally:
+    """Sums the logical FLOPs and routed slots of every forward of `model` while the `with` block runs."""
+
+    def __init__(self, model):
+        self.model = model
+        self.flops = self.full_flops = self.routed_slots = self.executed_slots = 0.0
+
+    def __enter__(self) -> FlopsTally:
+        self.handle = self.model.register_forward_hook(self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.handle.remove()
+
+    def _record(self, module, inputs, output) -> None:
+        report = output.adaptive
+        self.flops += report.flops.total
+        self.full_flops += report.full_flops.total
+        self.routed_slots += report.routed_slots
+        self.executed_slots += report.executed_slots
+
+    def summary(self) -> dict:
+        return {
+            "flops_saving": 1 - self.flops / self.full_flops,
+            "logical_gflops": self.flops / 1e9,
+            "full_gflops": self.full_flops / 1e9,
+            "slot_skip_ratio": 1 - self.executed_slots / self.routed_slots,
+        }
+
+
 # --- command line -------------------------------------------------------------------------------------------------
 
 
@@ -415,6 +519,27 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mrmr: subtasks scored by Hit@1 instead of NDCG@10 (default: negation)")
     parser.add_argument("--device", help="where the model runs (default: cuda when available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    adaptive = parser.add_argument_group(
+        "adaptive computation", "inference-time actions (spec §3); the results add the logical FLOPs saving"
+    )
+    adaptive.add_argument("--action", nargs="+", choices=list(ACTIONS), metavar="ACTION",
+                          help="one per family: token pruning gdn-prune; expert skip beta-skip, beta-threshold, "
+                               "otsu-beta, otsu-logit; top-k topk, modes, threshold (e.g. modes gdn-prune)")
+    adaptive.add_argument("--keep", type=float, metavar="RHO", help="gdn-prune: share of visual tokens kept (0.5)")
+    adaptive.add_argument("--prune-after-layer", type=int, metavar="K",
+                          help="gdn-prune: the Gated DeltaNet block whose β ranks the tokens (4)")
+    adaptive.add_argument("--skip-fraction", type=float, metavar="Q",
+                          help="beta-skip: share of each input's tokens skipping the routed experts (0.3)")
+    adaptive.add_argument("--beta-threshold", type=float, metavar="THETA", help="beta-threshold: θ (0.5)")
+    adaptive.add_argument("--otsu-min-cv", type=float, metavar="C", help="otsu-*: the CV gate (0.1)")
+    adaptive.add_argument("--k", type=int, metavar="K'", help="topk: routed experts kept per token")
+    adaptive.add_argument("--score-threshold", type=float, metavar="TAU", help="threshold: τ on the routing weight")
+    adaptive.add_argument("--min-experts", type=int, metavar="N", help="threshold: slots kept whatever their weight")
+    adaptive.add_argument("--target-skip", type=float, metavar="T",
+                          help="modes: calibrate MoDES for this share of routed slots skipped (needs --calibration)")
+    adaptive.add_argument("--calibration", metavar="FILE", help="modes: MMEB training-format data with text and images")
+    adaptive.add_argument("--calibration-samples", type=positive_int, default=16, metavar="N",
+                          help="modes: calibration inputs, half text, half image (16)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -425,14 +550,28 @@ def run_eval(args: argparse.Namespace) -> int:
     model = MoEmbForEmbedding.from_pretrained(folder)
     model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     processor = MoEmbProcessor.from_pretrained(folder)
+    settings = adaptive_settings(args, model, processor)
+    if settings is not None:
+        model.config.adaptive = settings  # what every forward of the evaluation runs with
     options = {"tasks": args.tasks, "limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length}
-    if args.benchmark == "mmeb":
-        results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)
-    else:
-        results = evaluate_mrmr(model, processor, args.data, hit_at_1_categories=args.hit_at_1_categories, **options)
+    with FlopsTally(model) if settings is not None else nullcontext() as tally:
+        if args.benchmark == "mmeb":
+            results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)
+        else:
+            results = evaluate_mrmr(model, processor, args.data, hit_at_1_categories=args.hit_at_1_categories,
+                                    **options)  # fmt: skip
     results = {"model": str(args.model), "data": str(args.data), **results}
+    if tally is not None:
+        results["adaptive"] = {"actions": args.action, "settings": settings, **tally.summary()}
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         print_evaluation(results)
+        if tally is not None:
+            summary = results["adaptive"]
+            console.print(
+                f"adaptive computation ({' + '.join(args.action)}): logical FLOPs saving S(a) = "
+                f"{summary['flops_saving']:.1%} ({summary['logical_gflops']:.4g} of {summary['full_gflops']:.4g} "
+                f"GFLOPs), routed slots skipped {summary['slot_skip_ratio']:.1%}"
+            )
     return 0

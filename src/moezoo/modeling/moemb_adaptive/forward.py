@@ -97,8 +97,14 @@ class AdaptiveReport:
     token_drop_rate: torch.Tensor  # tokens removed from the forward at the layer
     expert_skip_rate: torch.Tensor  # tokens that run no routed expert at the layer (skipped or dropped there)
     slot_skip_rate: torch.Tensor  # routed slots (k per token) not executed
-    slot_skip_ratio: float  # the same over every layer and modality
+    routed_slots: float  # k per token and layer it reaches: the slots of full compute
+    executed_slots: float  # the routed slots executed
     decisions: TokenDecisions  # per real token (row-major) and layer, what the FLOPs were counted from
+
+    @property
+    def slot_skip_ratio(self) -> float:
+        """The share of routed slots not executed, over every layer and modality."""
+        return 1.0 - self.executed_slots / self.routed_slots
 
 
 class AdaptiveForward:
@@ -255,7 +261,8 @@ class AdaptiveForward:
             flops=flops,
             full_flops=full_flops,
             flops_saving=1.0 - flops.total / full_flops.total,
-            slot_skip_ratio=float(1 - executed.sum() / (top_k * reach.sum())),
+            routed_slots=float(top_k * reach.sum()),
+            executed_slots=float(executed.sum()),
             decisions=decisions,
             **rates,
         )

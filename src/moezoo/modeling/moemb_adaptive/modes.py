@@ -128,9 +128,9 @@ def calibrate_modes(
     def run(tau_text: float, tau_visual: float) -> tuple[float, float]:
         if (tau_text, tau_visual) not in runs:
             outputs = [model(**batch, adaptive=settings(tau_text, tau_visual)) for batch in calibration_inputs]
-            slots = sum(o.adaptive.slot_skip_ratio * o.adaptive.decisions.skip.numel() for o in outputs)
-            total = sum(o.adaptive.decisions.skip.numel() for o in outputs)
-            runs[(tau_text, tau_visual)] = (slots / total, distortion_of([o.embeddings for o in outputs]))
+            executed = sum(output.adaptive.executed_slots for output in outputs)
+            skip_ratio = 1 - executed / sum(output.adaptive.routed_slots for output in outputs)
+            runs[(tau_text, tau_visual)] = (skip_ratio, distortion_of([output.embeddings for output in outputs]))
         return runs[(tau_text, tau_visual)]
 
     tau_max = float(scales.max()) if tau_max is None else tau_max  # s · α ≤ s: every slot skipped at the top
