@@ -72,9 +72,9 @@ class VqaExample:
     image: Path
     question: str
     task: str  # the benchmark the row belongs to, for the per-task scores and their average (Eq. 19)
+    target: str  # what the question asks about: rows of one image with the same target are paraphrases
     answers: tuple[str, ...]  # the reference answers; for a multiple-choice row the correct choice
     choices: tuple[str, ...] | None = None  # None for an open answer
-    target: str = ""  # what the question asks about: rows of one image with the same target are paraphrases
 
     @property
     def reference(self) -> str:
@@ -129,7 +129,7 @@ def _example(row: dict, where: str, line: int, folder: Path, default_task: str) 
             raise ValueError(
                 f"{where}: 'answers' must be a non-empty string or list of non-empty strings, got {row['answers']!r}"
             )
-        return VqaExample(line, image, row["question"], task, tuple(answers), target=target)
+        return VqaExample(line, image, row["question"], task, target, tuple(answers))
     choices = row["choices"]
     if (
         not isinstance(choices, list) or not 2 <= len(choices) <= len(string.ascii_uppercase)
@@ -146,7 +146,7 @@ def _example(row: dict, where: str, line: int, folder: Path, default_task: str) 
             f"{where}: 'answer' must be the index (0 to {len(choices) - 1}) or the text of the correct choice, got "
             f"{row.get('answer')!r}"
         )
-    return VqaExample(line, image, row["question"], task, (answer,), tuple(choices), target)
+    return VqaExample(line, image, row["question"], task, target, (answer,), tuple(choices))
 
 
 def _is_text(value) -> bool:
