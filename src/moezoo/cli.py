@@ -123,7 +123,7 @@ def _add_list(commands) -> None:
 
 def _run_list(args) -> int:
     from .terminal import print_table
-    from .zoo import list_presets
+    from .zoo import human_count, list_presets
 
     summaries = list_presets()
     if args.json:
@@ -134,21 +134,16 @@ def _run_list(args) -> int:
         ["name", "architecture", "total params", "active params", "as the paper counts", "base checkpoint",
          "converter"],
         [
-            [s.name, s.architecture, _human(s.total_parameters), _human(s.active_parameters),
-             f"{' + '.join(s.paper_counted_modules)}: {_human(s.paper_total_parameters)} / "
-             f"{_human(s.paper_active_parameters)}" if s.paper_counted_modules else "-",
+            [s.name, s.architecture, human_count(s.total_parameters), human_count(s.active_parameters),
+             f"{' + '.join(s.paper_counted_modules)}: {human_count(s.paper_total_parameters)} / "
+             f"{human_count(s.paper_active_parameters)}" if s.paper_counted_modules else "-",
              ", ".join(s.base_checkpoints) or "-", s.converter or "-"]
             for s in summaries
         ],
     )
+    for reconciliation in filter(None, (s.claim_reconciliation() for s in summaries)):
+        print(reconciliation)
     return 0
-
-
-def _human(count: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g}{unit}"
-    return str(count)
 
 
 def _add_create(commands) -> None:
@@ -347,8 +342,10 @@ def _run_push(args) -> int:
 
 # `moezoo train <arch>` and `moezoo eval <arch>`: each architecture's module brings its own options and runner, and
 # is imported only when its command runs (training code pulls in Trainer, PEFT and datasets).
-TRAINERS = {"moe_vie": "moezoo.training.moe_vie", "moemb": "moezoo.training.moemb", "mote": "moezoo.training.mote"}
-EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie", "moemb": "moezoo.evaluation.moemb"}
+TRAINERS = {"moe_vie": "moezoo.training.moe_vie", "moemb": "moezoo.training.moemb", "mote": "moezoo.training.mote",
+            "omnimoe_vl": "moezoo.training.omnimoe_vl", "smoes": "moezoo.training.smoes"}
+EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie", "moemb": "moezoo.evaluation.moemb",
+              "omnimoe_vl": "moezoo.evaluation.omnimoe_vl"}
 
 
 def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run) -> None:
@@ -423,6 +420,8 @@ def _add_bench(commands) -> None:
     for name, help in (
         ("moemb", "embeddings per second: MoEMB against transformers' Qwen3.5-MoE forward on the same weights"),
         ("mote", "per-sample latency and active parameters of MoTE as the number of stored experts grows"),
+        ("omnimoe_vl", "generation tokens/s and prefill latency of OmniMoE-VL against a dense MLP projector"),
+        ("smoes", "bytes expert parallelism sends: stock and dedup all-to-all, with and without SMoES' bins"),
         ("gpu-check", "the GPU tests and benchmarks in one run of under 8 minutes, reported as JSON and Markdown"),
     ):
         _add_module_subcommand(targets, name, help, f"moezoo.bench.{name.replace('-', '_')}", "add_bench_arguments",
