@@ -71,7 +71,7 @@ def test_logits_and_greedy_generation_equal_the_source(base, converted):
 
 
 def test_calibration_initialises_the_statistics_and_leaves_the_step_at_zero(base_folder):
-    model, report = convert_qwen3_5_moe_to_smoes(base_folder, num_bins=4, calibrate_batches=2, verify=False)
+    model, report = convert_qwen3_5_moe_to_smoes(base_folder, num_bins=4, calibrate=2, verify=False)
     states = model.model.language_model.smoes_states
     assert all(bool(state.gauss_initialized.all()) and bool(state.expert_counts_ema.sum() > 0) for state in states)
     assert int(model.model.language_model.smoes_step) == 0
@@ -87,7 +87,8 @@ def test_command_writes_a_folder_that_loads_with_the_buffers(base_folder, base, 
     provenance = json.loads((out / "moezoo.json").read_text())
     assert provenance["converter"] == "smoes-qwen3_5_moe" and provenance["max_abs_diff"] == 0.0
     stored = load_file(out / "model.safetensors")
-    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in stored  # the fused layout (spec §5 step 4)
+    # Qwen3.5-MoE's layout on disk (per-expert tensors): the SMoES text model shares transformers' conversion.
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in stored
     assert bool(stored["model.language_model.layers.1.mlp.smoes.gauss_initialized"].all())  # calibrated
 
     model = SmoesQwen3_5MoeForConditionalGeneration.from_pretrained(out).eval()
@@ -105,6 +106,7 @@ def test_command_writes_a_folder_that_loads_with_the_buffers(base_folder, base, 
     [
         (["--num-bins", "3"], "--num-bins 3 (num_bins=3) must divide the source's 8 experts"),
         (["--num-bins", "4", "--ep-devices", "3"], "--ep-devices 3 (ep_devices=3) must divide --num-bins 4"),
+        (["--calibrate", "-1"], "--calibrate -1 (calibrate=-1) must be 0 or a number of batches"),
     ],
 )
 def test_bad_options_fail_naming_the_option_and_leave_no_folder(base_folder, tmp_path, options, message):

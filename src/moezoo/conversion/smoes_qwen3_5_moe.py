@@ -124,7 +124,7 @@ def synthetic_image_text_batch(
 
 
 @torch.no_grad()
-def calibrate(model: SmoesQwen3_5MoeForConditionalGeneration, batches: int, seed: int = 0) -> None:
+def calibrate_statistics(model: SmoesQwen3_5MoeForConditionalGeneration, batches: int, seed: int = 0) -> None:
     """`batches` training-mode forwards without gradient or optimiser (spec §5 step 5): they update the Gaussian
     statistics, the dispatch counts and the bins. The step counter is set back to 0 afterwards, so that the alpha_MI
     warm-up and the bin-freezing schedule count training steps only."""
@@ -155,7 +155,7 @@ def convert_qwen3_5_moe_to_smoes(
     num_bins: int = DEFAULT_NUM_BINS,
     score_type: str = "gaussian",
     ep_devices: int | None = None,
-    calibrate_batches: int = 0,
+    calibrate: int = 0,
     seed: int = 0,
     verify: bool = True,
 ) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, dict]:
@@ -166,7 +166,7 @@ def convert_qwen3_5_moe_to_smoes(
         score_type: `"gaussian"` (the default on this hybrid host), `"attention"` or `"hard"` (an ablation).
         ep_devices: expert-parallel devices the bins are placed on; must divide `num_bins` (default: 8 when it
             divides `num_bins`, else one device per bin).
-        calibrate_batches: training-mode forwards without gradient that initialise the SMoES statistics and bins.
+        calibrate: this many training-mode forwards without gradient initialise the SMoES statistics and bins.
         seed: seeds the synthetic calibration batches.
         verify: measure max |Δ| of the logits against the source model.
 
@@ -177,8 +177,8 @@ def convert_qwen3_5_moe_to_smoes(
     source_config = read_config(folder, SOURCE_MODEL_TYPES, "Qwen3.5-MoE vision-language")
     if score_type not in SCORE_TYPES:
         raise ValueError(f"{option_name('score_type', score_type)} must be one of {', '.join(SCORE_TYPES)}")
-    if not isinstance(calibrate_batches, int) or calibrate_batches < 0:
-        raise ValueError(f"{option_name('calibrate_batches', calibrate_batches)} must be 0 or a number of batches")
+    if not isinstance(calibrate, int) or calibrate < 0:
+        raise ValueError(f"{option_name('calibrate', calibrate)} must be 0 or a number of batches")
     if ep_devices is None:
         ep_devices = DEFAULT_EP_DEVICES if num_bins % DEFAULT_EP_DEVICES == 0 else num_bins
     config = smoes_config_from(
@@ -199,8 +199,8 @@ def convert_qwen3_5_moe_to_smoes(
     accounting = copy_source_tensors(base, model)
     model.generation_config = base.generation_config
 
-    if calibrate_batches:
-        calibrate(model, calibrate_batches, seed)
+    if calibrate:
+        calibrate_statistics(model, calibrate, seed)
     difference = logit_difference(base, model) if verify else None
     del base
     report = {
@@ -209,7 +209,7 @@ def convert_qwen3_5_moe_to_smoes(
         "license": source_license(folder),
         "dtype": str(dtype).removeprefix("torch."),
         "smoes": {"num_bins": num_bins, "score_type": score_type, "ep_devices": ep_devices},
-        "calibration_batches": calibrate_batches,
+        "calibration_batches": calibrate,
         "accounting": accounting,
         "max_abs_diff": difference,
         "notes": [
@@ -232,7 +232,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ep-devices", type=int, default=None,
                         help="expert-parallel devices the bins are placed on; must divide --num-bins (default: 8 "
                              "when it divides --num-bins, else one per bin)")
-    parser.add_argument("--calibrate", dest="calibrate_batches", type=int, default=0, metavar="N",
+    parser.add_argument("--calibrate", type=int, default=0, metavar="N",
                         help="N training-mode forwards without gradient on synthetic image-text batches, which "
                              "initialise the SMoES statistics and bins")
     parser.add_argument("--seed", type=int, default=0, help="seeds the calibration batches")

@@ -165,12 +165,6 @@ class SmoesQwen3_5MoePreTrainedModel(Qwen3_5MoePreTrainedModel):
     config: SmoesQwen3_5MoeConfig
     _no_split_modules = ["SmoesQwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """Saves the fused expert tensors under the model's own names (spec §5 step 4), as every model of the zoo does,
-        rather than reverting them to Qwen3.5-MoE's per-expert checkpoint layout, which transformers does by default
-        for a model with a checkpoint conversion; both layouts load."""
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, SmoesLayerState):
