@@ -135,7 +135,9 @@ def mote_fields(
 ) -> dict:
     """The `mote_*` config fields of a conversion."""
     if construction not in CONSTRUCTIONS:
-        raise ValueError(f"{option_name('construction', construction)} is not one of {', '.join(map(repr, CONSTRUCTIONS))}")
+        raise ValueError(
+            f"{option_name('construction', construction)} is not one of {', '.join(map(repr, CONSTRUCTIONS))}"
+        )
     if construction == "copy_half" and not num_shared_experts:
         raise ValueError(
             f"{option_name('construction', 'copy_half')} halves every routed expert and leaves the other half to the "
@@ -241,8 +243,10 @@ def source_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def source_generation_config(folder: Path) -> GenerationConfig | None:
-    return GenerationConfig.from_pretrained(str(folder)) if (folder / "generation_config.json").is_file() else None
+def adopt_generation_config(model, folder: Path) -> None:
+    """Give the converted model the source's generation config (its sampling defaults and end tokens), if any."""
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
 
 
 # --- writing the MoTE model ----------------------------------------------------------------------------------------
@@ -285,6 +289,15 @@ class StateWriter:
     accounting: dict = field(init=False)
     _pending: dict[str, dict[str, torch.Tensor]] = field(init=False, default_factory=dict)
     _ffn_seen: dict[str, set[str]] = field(init=False, default_factory=dict)
+
+    @classmethod
+    def for_new_model(cls, model_class, config, dtype: torch.dtype, layout: FeedForwardLayout, construction: str,
+                      num_shared_experts: int, seed: int) -> tuple[torch.nn.Module, StateWriter]:
+        """`model_class(config)`, uninitialised in `dtype`, and the writer that fills it; `seed` seeds the neuron
+        partition of the `split` construction."""
+        model = uninitialised(model_class, config, dtype)
+        names = config.get_text_config().mote_expert_names
+        return model, cls(model, layout, names, construction, num_shared_experts, torch.Generator().manual_seed(seed))
 
     def __post_init__(self):
         self.targets, storages = {}, set()

@@ -27,15 +27,14 @@ from .mote_common import (
     SafetensorsCheckpoint,
     StateWriter,
     add_common_arguments,
+    adopt_generation_config,
     as_experts,
     conversion_report,
     mote_fields,
     plain_config_fields,
     read_config,
     route_differences,
-    source_generation_config,
     source_tokenizer,
-    uninitialised,
 )
 
 
@@ -97,9 +96,9 @@ def convert_glm_ocr_to_mote(
     text_config = config.text_config
     num_layers = text_config.num_hidden_layers
 
-    model = uninitialised(GlmOcrMoteForConditionalGeneration, config, dtype)
-    writer = StateWriter(model, GLM_FFN, text_config.mote_expert_names, construction, num_shared_experts,
-                         torch.Generator().manual_seed(seed))
+    model, writer = StateWriter.for_new_model(
+        GlmOcrMoteForConditionalGeneration, config, dtype, GLM_FFN, construction, num_shared_experts, seed
+    )
     with SafetensorsCheckpoint(folder).tensors() as tensors:
         for key, load in tensors:
             layer = _DECODER_LAYER.fullmatch(key)
@@ -115,9 +114,7 @@ def convert_glm_ocr_to_mote(
     accounting = writer.finish({prefix: {p: f"{prefix}.{p}" for p in GLM_FFN.projections} for prefix in ffn_prefixes})
     if accounting["dropped"]:
         logger.info("dropped %d tensors of the MTP layer", len(accounting["dropped"]))
-    generation_config = source_generation_config(folder)
-    if generation_config is not None:
-        model.generation_config = generation_config
+    adopt_generation_config(model, folder)
     model.eval()
 
     differences = measure_routes(model, folder, dtype) if verify else None

@@ -32,6 +32,7 @@ from .mote_common import (
     SafetensorsCheckpoint,
     StateWriter,
     add_common_arguments,
+    adopt_generation_config,
     as_experts,
     conversion_report,
     dense_fields,
@@ -39,9 +40,7 @@ from .mote_common import (
     plain_config_fields,
     read_config,
     route_differences,
-    source_generation_config,
     source_tokenizer,
-    uninitialised,
 )
 
 
@@ -123,9 +122,9 @@ def convert_llama_to_mote(
         model_class, prefix = VideoLlmMoteForConditionalGeneration, "model.language_model."
     text_config = config.get_text_config()
 
-    model = uninitialised(model_class, config, dtype)
-    writer = StateWriter(model, LLAMA_FFN, text_config.mote_expert_names, construction, num_shared_experts,
-                         torch.Generator().manual_seed(seed))
+    model, writer = StateWriter.for_new_model(
+        model_class, config, dtype, LLAMA_FFN, construction, num_shared_experts, seed
+    )
     with SafetensorsCheckpoint(folder).tensors() as tensors:
         for key, load in tensors:
             ffn = _DECODER_FFN.fullmatch(key)
@@ -150,9 +149,7 @@ def convert_llama_to_mote(
         f"{prefix}layers.{i}.mlp": {p: f"model.layers.{i}.mlp.{p}" for p in LLAMA_FFN.projections}
         for i in range(text_config.num_hidden_layers) if text_config.is_mote_layer(i)
     })
-    generation_config = source_generation_config(folder)
-    if generation_config is not None:
-        model.generation_config = generation_config
+    adopt_generation_config(model, folder)
     model.eval()
 
     differences = None
