@@ -5,14 +5,15 @@ SMoES adds no parameter, so the conversion is a copy, made in the order the spec
 1. the source is loaded with transformers' own `Qwen3_5MoeForConditionalGeneration`, the class that applies the
    checkpoint conversion (per-expert 2D tensors on disk -> fused 3D experts), in the checkpoint's dtype;
 2. the SMoES config is the source's config plus the `smoes_*` fields;
-3. every source tensor is copied into the SMoES model, and accounted for: no unexpected key, nothing missing but the
+3. every source tensor is placed in the SMoES model as it is, and accounted for: no unexpected key, nothing missing but the
    SMoES buffers, every tensor (parameters and buffers, persistent or not) bit-exact;
 4. optionally (`calibrate`), training-mode forwards without gradient on synthetic image-text batches initialise the
    Gaussian statistics, the dispatch counts and the bins, so that the first training step sees non-trivial scores;
 5. max |Δ| of the logits against the source model on a synthetic image-text batch is measured (0 by construction:
    SMoES changes no forward computation).
 
-Saving (safetensors in the fused layout, the processor, the provenance) is `moezoo convert`'s, atomic.
+Saving (safetensors in Qwen3.5-MoE's checkpoint layout plus the SMoES buffers, the processor, the provenance) is
+`moezoo convert`'s, atomic.
 """
 
 from __future__ import annotations
