@@ -370,6 +370,26 @@ def test_train_command_resumes_and_the_next_stage_continues_the_routing_step(dat
     assert (config.router_utility, config.router_utility_coef) == ("grad", 0.35)
 
 
+@pytest.mark.parametrize("stage, lora_r", [("I", 0), ("II", 2)])
+def test_a_resumed_run_equals_an_uninterrupted_one(data_file, stage, lora_r, tmp_path, monkeypatch, capsys):
+    """Exploration noise, usage EMA and routing step (Stage I explores from step 0), and LoRA with the projector and
+    routers trained in full (Stage II), all continue from the checkpoint."""
+    from test_train_resume import SAVE_STEPS, STEPS, check_resume_equals_an_uninterrupted_run
+
+    from moezoo.training import omnimoe_vl
+
+    create_from_preset("tiny-omnimoe_vl", tmp_path / "tiny")
+    options = OmniMoeVlTrainingOptions(stage=stage, steps=STEPS, batch_size=2, learning_rate=1e-2, logging_steps=1,
+                                       save_steps=SAVE_STEPS, lora_r=lora_r)  # fmt: skip
+
+    def train(out, options):
+        return train_omnimoe_vl(tmp_path / "tiny", data_file, out, options)
+
+    logs = check_resume_equals_an_uninterrupted_run(monkeypatch, capsys, tmp_path, omnimoe_vl, OmniMoeVlTrainer,
+                                                    train, options)  # fmt: skip
+    assert all({"routing_loss", "aux_loss"} <= set(log) for log in logs)
+
+
 def test_train_with_lora_merges_the_adapters_into_the_stages_experts(data_file, tmp_path):
     create_from_preset("tiny-omnimoe_vl", tmp_path / "tiny")
     options = OmniMoeVlTrainingOptions(stage="II", steps=2, batch_size=2, learning_rate=1e-2, lora_r=2)
@@ -399,22 +419,27 @@ def test_a_fixed_depth_that_carries_the_answer_is_learned_and_routed_to(seed):
     assert answers_from_the_depth(history[-1], task.selected_stream), history
 
 
+def follows_the_question(evaluation: dict) -> bool:
+    """Spec §9.12's thresholds: accuracy >= 0.95, the route's argmax on the asked stream for >= 0.5 of samples, the
+    asked stream in the route for >= 0.7."""
+    return evaluation["accuracy"] >= 0.95 and evaluation["argmax_hit"] >= 0.5 and evaluation["support_hit"] >= 0.7
+
+
 @pytest.mark.slow
-def test_the_question_selects_the_depth():
-    """§9.12: accuracy >= 0.95, argmax-hit >= 0.5, J in supp(w) >= 0.7, and D_TV between questions asking for
-    different streams > D_TV between paraphrases of one question."""
-    torch.manual_seed(0)
-    steps = 500
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_question_selects_the_depth(seed):
+    """§9.12 within 600 steps (measured: 300-500): accuracy, argmax-hit and support-hit above their thresholds, and
+    D_TV between questions asking for different streams > D_TV between paraphrases of one question."""
+    torch.manual_seed(seed)
+    steps = 600
     # The route learns to follow the question from the utility supervision L_util (measured: without it, seed 0
     # reaches 0.92 accuracy at best, its route mostly deaf to the question).
     model = OmniMoeVlForConditionalGeneration(
         depth_task_config(exploration_steps=int(0.6 * steps), router_utility="grad", router_utility_coef=0.35)
     )
     task = DepthTask(selected_stream=None)
-    result = train_depth_task(model, task, steps, seed=0)[-1]
-    assert result["accuracy"] >= 0.95, result
-    assert result["argmax_hit"] >= 0.5, result
-    assert result["support_hit"] >= 0.7, result
+    history = train_depth_task(model, task, steps, seed=seed, eval_every=50, stop=follows_the_question)
+    assert follows_the_question(history[-1]), history
     distances = prompt_route_distances(model, task)
     assert distances["different_questions"] > distances["paraphrases"], distances
 

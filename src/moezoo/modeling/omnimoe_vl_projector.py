@@ -258,8 +258,10 @@ class OmniMoeVlDepthRouter(nn.Module):
         routing_step (): optimizer steps so far, advanced by the training callback (not by forward, so gradient
             accumulation does not speed up the schedules; spec D11).
     In `train()` and while `routing_step < exploration_steps`, z adds the proximal prior, the underuse bonus and
-    Gaussian noise (drawn from the router's own generator) to r / T, and each forward updates c; otherwise, and always
-    in `eval()`, z = r / T and nothing changes.
+    Gaussian noise to r / T, and each forward updates c; otherwise, and always in `eval()`, z = r / T and nothing
+    changes. The noise of a forward comes from a generator seeded by the routing step and the number of forwards
+    already run in that step: every process draws the same noise (spec D30), and a run resumed from a checkpoint
+    (which holds `routing_step`) draws what the uninterrupted run drew.
     """
 
     def __init__(self, config: OmniMoeVlConfig):
@@ -267,7 +269,7 @@ class OmniMoeVlDepthRouter(nn.Module):
         self.config = config
         self.register_buffer("depth_usage_ema", torch.zeros(config.num_streams, dtype=torch.float32))
         self.register_buffer("routing_step", torch.zeros((), dtype=torch.int64))
-        self.noise_generator = torch.Generator().manual_seed(0)
+        self._noise_step, self._noise_draws = -1, 0  # the routing step of the last noise, and draws in that step
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts floating buffers: keep the usage EMA fp32, cast from its fp32 values.
@@ -289,7 +291,7 @@ class OmniMoeVlDepthRouter(nn.Module):
         if not self.exploring:
             return top_k_softmax(logits, config.depth_top_k)
         usage = self.depth_usage_ema
-        noise = torch.randn(logits.shape, generator=self.noise_generator).to(logits.device)
+        noise = self._exploration_noise(logits.shape).to(logits.device)
         logits = (
             logits
             + config.prior_coef * torch.log(depth_prior(usage, config.prior_dirichlet_alpha, config.prior_kernel_width))
@@ -300,6 +302,14 @@ class OmniMoeVlDepthRouter(nn.Module):
         if not is_recomputing():
             self._update_usage(route)
         return route
+
+    def _exploration_noise(self, shape: torch.Size) -> torch.Tensor:
+        step = int(self.routing_step)
+        if step != self._noise_step:
+            self._noise_step, self._noise_draws = step, 0
+        generator = torch.Generator().manual_seed((step << 20) + self._noise_draws)
+        self._noise_draws += 1
+        return torch.randn(shape, generator=generator)
 
     @torch.no_grad()
     def _update_usage(self, route: torch.Tensor) -> None:

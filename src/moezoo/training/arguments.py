@@ -123,8 +123,9 @@ class PeftModelWithTrainedBase(PeftModel):
 
     TRAINED_BASE_FILE = "trained_base_parameters.safetensors"
 
-    def trained_base_parameters(self) -> dict[str, nn.Parameter]:
-        """The parameters of `self.get_base_model()` trained in full, by name: none unless a subclass names them."""
+    def trained_base_parameters(self) -> dict[str, nn.Parameter | torch.Tensor]:
+        """The parameters of `self.get_base_model()` trained in full, by name: none unless a subclass names them. A
+        subclass may name buffers too: training state that the base model keeps (OmniMoE-VL's routing step)."""
         return {}
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
@@ -137,7 +138,8 @@ class PeftModelWithTrainedBase(PeftModel):
         result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
         path = Path(model_id) / self.TRAINED_BASE_FILE
         if path.is_file():
-            parameters = dict(self.get_base_model().named_parameters())
+            base = self.get_base_model()
+            parameters = dict(base.named_parameters()) | dict(base.named_buffers())
             with torch.no_grad():
                 for name, tensor in load_file(str(path)).items():
                     if name not in parameters:

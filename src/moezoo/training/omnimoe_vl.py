@@ -123,16 +123,19 @@ class RoutingStepCallback(TrainerCallback):
 
 
 class OmniMoeVlLoraModel(PeftModelWithTrainedBase):
-    """PEFT's model of `with_lora`, whose checkpoints keep the base parameters trained in full beside the adapters
-    (`trained_in_full`: the stage's projector and token routers)."""
+    """PEFT's model of `with_lora`, whose checkpoints keep, beside the adapters, the base parameters trained in full
+    (`trained_in_full`: the stage's projector and token routers) and the depth router's exploration state (routing
+    step and usage EMA), so that a resumed run continues its schedules."""
 
     def __init__(self, model, config: LoraConfig, trained_in_full: list[str]):
         super().__init__(model, config)
         self.trained_in_full = trained_in_full
 
-    def trained_base_parameters(self) -> dict[str, nn.Parameter]:
-        parameters = dict(self.get_base_model().named_parameters())
-        return {name: parameters[name] for name in self.trained_in_full}
+    def trained_base_parameters(self) -> dict[str, nn.Parameter | torch.Tensor]:
+        base = self.get_base_model()
+        parameters = dict(base.named_parameters())
+        router_state = {name: buffer for name, buffer in base.named_buffers() if ".depth_router." in name}
+        return {name: parameters[name] for name in self.trained_in_full} | router_state
 
 
 def with_lora(
@@ -151,8 +154,8 @@ def with_lora(
         r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention or None, target_parameters=experts
     )
     peft_model = OmniMoeVlLoraModel(model, config, in_full)
-    for parameter in peft_model.trained_base_parameters().values():
-        parameter.requires_grad_(True)
+    for name in in_full:  # PEFT froze the whole base model
+        model.get_parameter(name).requires_grad_(True)
     return peft_model
 
 
