@@ -103,7 +103,7 @@ CONVERTERS: dict[str, Converter] = {}
 ZOO_ARCHITECTURES: list[str] = []
 
 # One module per architecture under moezoo/presets/, added as each architecture lands.
-PRESET_MODULES: tuple[str, ...] = ("moe_vie", "moemb", "mote", "omnimoe_vl")
+PRESET_MODULES: tuple[str, ...] = ("moe_vie", "moemb", "mote", "omnimoe_vl", "smoes")
 # Modules of architectures outside moezoo (a comma-separated list of importable modules with the same three
 # attributes), loaded after moezoo's own: how a project adds its architectures to the `moezoo` command.
 EXTRA_PRESET_MODULES_ENV = "MOEZOO_EXTRA_PRESETS"
