@@ -4,7 +4,9 @@ Only the FFN of a converted decoder layer changes; everything else is transforme
 family, on what they share:
 
     common.py           MoteFeedForward (replaces `layer.mlp`: experts[name], one FFN per task, + shared_expert),
-                        route resolution, expert management, generation with fixed routes, the output dataclasses
+                        the text model (MoteTextModelMixin: built from a family's decoder layer, norm and rotary
+                        classes; route resolution), the LM heads' losses and outputs, expert management, generation
+                        with fixed routes, the output dataclasses
     llama.py            LlamaMoteForCausalLM: Llama with MoTE layers (text only; also VideoLLM-MoTE's decoder)
     video_llm.py        VideoLlmMoteForConditionalGeneration: SigLIP vision tower -> frame tokens -> 2-layer
                         projector -> LlamaMote

@@ -273,13 +273,6 @@ def check_checkpointing(text_model) -> None:
         )
 
 
-def with_aux_loss(config, loss, aux_loss):
-    """The LM loss plus the weighted load-balancing loss, when there are both."""
-    if loss is None or aux_loss is None:
-        return loss
-    return loss + config.mote_router_aux_loss_coef * aux_loss.to(loss.device)
-
-
 def router_aux_loss(config, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Switch load balancing `M * sum_m f_m P_m` over the learned routers' logits, padding tokens excluded; `None`
     without a learned router."""
@@ -289,6 +282,17 @@ def router_aux_loss(config, router_logits, attention_mask: torch.Tensor | None) 
     # Token routers see every (example, position) row; the sample router one row per example.
     logits = [x[valid.to(x.device)] if valid is not None and x.shape[0] == valid.numel() else x for x in router_logits]
     return load_balancing_loss(logits, num_experts=len(config.mote_expert_names), top_k=1)
+
+
+def causal_lm_output(output_class, config, outputs, logits, loss, attention_mask, output_router_logits: bool):
+    """What a MoTE LM head returns: its base model's `outputs` (all but `last_hidden_state`, which the head turned
+    into `logits`) with the logits and the losses. With `output_router_logits` the learned routers' load-balancing
+    loss is `aux_loss`, and is added to the LM `loss` times `mote_router_aux_loss_coef`."""
+    aux_loss = router_aux_loss(config, outputs.router_logits, attention_mask) if output_router_logits else None
+    if loss is not None and aux_loss is not None:
+        loss = loss + config.mote_router_aux_loss_coef * aux_loss.to(loss.device)
+    carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+    return output_class(loss=loss, aux_loss=aux_loss, logits=logits, **carried)
 
 
 # --- model-level API: expert management and parameter accounting (spec §2.8, §3.3-3.6) ----------------------------
@@ -523,23 +527,40 @@ class MoteGenerationMixin:
         return model_inputs
 
 
-# --- the routed text models: route resolution shared by the Llama and GLM decoders ---------------------------------
+# --- the routed text models: the Llama and GLM decoders with their route resolution ----------------------------------
 
 
 class MoteTextModelMixin:
-    """Route resolution of a MoTE decoder, placed before the transformers text model whose forward it wraps.
+    """The MoTE decoder of a family, placed before the transformers text model whose forward it wraps.
 
-    It embeds the tokens, resolves the routes (spec §2.3-2.5), runs the transformers decoder with `task_ids` and
-    `route_weights` passed to every layer, and keeps the routes with the returned KV cache so that decoding steps
-    continue on the prefill's routes.
+    `__init__` builds the text model with the family's MoTE decoder layers and, in `sample_top1` mode, the sample
+    router. `forward` embeds the tokens, resolves the routes (spec §2.3-2.5), runs the transformers decoder with
+    `task_ids` and `route_weights` passed to every layer, and keeps the routes with the returned KV cache so that
+    decoding steps continue on the prefill's routes.
     """
 
-    sample_router: TopKRouter | None
+    # The family's modules, set by each text model: its MoTE decoder layer, final RMSNorm and rotary embedding.
+    decoder_layer_class: type[nn.Module]
+    norm_class: type[nn.Module]
+    rotary_embedding_class: type[nn.Module]
 
-    def _init_sample_router(self, config) -> None:
+    def __init__(self, config):
+        # The modules of the transformers text model, built here rather than by its `__init__`, which would build
+        # dense decoder layers; its forward runs them (called by `forward` below).
+        PreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [self.decoder_layer_class(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = self.rotary_embedding_class(config=config)
+        self.gradient_checkpointing = False
         # `sample_top1`: one global router on the mean embedding of each example's prompt (spec §2.5, A9).
-        wanted = bool(config.mote_expert_names) and config.mote_routing_mode == "sample_top1"
-        self.sample_router = top1_router(config) if wanted else None
+        wants_sample_router = bool(config.mote_expert_names) and config.mote_routing_mode == "sample_top1"
+        self.sample_router = top1_router(config) if wants_sample_router else None
+        self.post_init()
 
     @accepts_past_key_values
     @can_return_tuple

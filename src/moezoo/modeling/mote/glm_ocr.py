@@ -32,12 +32,11 @@ from .common import (
     MoteMultimodalModelOutputWithPast,
     MoteTextModelMixin,
     accepts_past_key_values,
+    causal_lm_output,
     feed_forward,
-    router_aux_loss,
     sample_routing_mask,
     wants_router_logits,
     warn_of_placeholders_without_media,
-    with_aux_loss,
 )
 
 
@@ -91,25 +90,14 @@ class GlmOcrMotePreTrainedModel(MoteExpertsMixin, GlmOcrPreTrainedModel):
 
 
 class GlmOcrMoteTextModel(MoteTextModelMixin, GlmOcrMotePreTrainedModel, GlmOcrTextModel):
-    """`GlmOcrTextModel` with MoTE decoder layers; `forward` adds `task_ids` (see `MoteTextModelMixin.forward`)."""
+    """`GlmOcrTextModel` with MoTE decoder layers (built by `MoteTextModelMixin.__init__`); `forward` adds `task_ids`
+    (see `MoteTextModelMixin.forward`) and runs `GlmOcrTextModel.forward`."""
 
     config: GlmOcrMoteTextConfig
     _can_record_outputs = {**GlmOcrTextModel._can_record_outputs, "router_logits": ROUTER_LOGITS}
-
-    def __init__(self, config: GlmOcrMoteTextConfig):
-        # Not GlmOcrTextModel.__init__, which would build dense decoder layers; the forward is GlmOcrTextModel's.
-        PreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [GlmOcrMoteTextDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = GlmOcrRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = GlmOcrTextRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self._init_sample_router(config)
-        self.post_init()
+    decoder_layer_class = GlmOcrMoteTextDecoderLayer
+    norm_class = GlmOcrRMSNorm
+    rotary_embedding_class = GlmOcrTextRotaryEmbedding
 
 
 class GlmOcrMoteVisionModel(WithoutFusedExpertsMixin, GlmOcrVisionModel):
@@ -206,14 +194,9 @@ class GlmOcrMoteModel(GlmOcrMotePreTrainedModel, GlmOcrModel):
             routing_mask=routing_mask,
             **kwargs,
         )
+        # The decoder's outputs (hidden states, cache, attentions, router logits) and the vision encoder's.
         return MoteMultimodalModelOutputWithPast(
-            last_hidden_state=outputs.last_hidden_state,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-            image_outputs=mm_encoder_outputs.get("image"),
-            video_outputs=mm_encoder_outputs.get("video"),
+            **outputs, image_outputs=mm_encoder_outputs.get("image"), video_outputs=mm_encoder_outputs.get("video")
         )
 
 
@@ -276,15 +259,7 @@ class GlmOcrMoteForConditionalGeneration(
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
-        aux_loss = router_aux_loss(text_config, outputs.router_logits, attention_mask) if output_router_logits else None
-        return MoteMultimodalCausalLMOutputWithPast(
-            loss=with_aux_loss(text_config, loss, aux_loss),
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            image_outputs=outputs.image_outputs,
-            video_outputs=outputs.video_outputs,
-            router_logits=outputs.router_logits,
+        return causal_lm_output(
+            MoteMultimodalCausalLMOutputWithPast, text_config, outputs, logits, loss, attention_mask,
+            output_router_logits,
         )

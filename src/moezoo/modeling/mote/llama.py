@@ -28,11 +28,10 @@ from .common import (
     MoteGenerationMixin,
     MoteTextModelMixin,
     accepts_past_key_values,
+    causal_lm_output,
     feed_forward,
-    router_aux_loss,
     sample_routing_mask,
     wants_router_logits,
-    with_aux_loss,
 )
 
 
@@ -85,22 +84,12 @@ class LlamaMotePreTrainedModel(MoteExpertsMixin, LlamaPreTrainedModel):
 
 
 class LlamaMoteModel(MoteTextModelMixin, LlamaMotePreTrainedModel, LlamaModel):
-    """`LlamaModel` with MoTE decoder layers; `forward` adds `task_ids` (see `MoteTextModelMixin.forward`)."""
+    """`LlamaModel` with MoTE decoder layers (built by `MoteTextModelMixin.__init__`); `forward` adds `task_ids`
+    (see `MoteTextModelMixin.forward`) and runs `LlamaModel.forward`."""
 
-    def __init__(self, config: LlamaMoteConfig):
-        # Not LlamaModel.__init__, which would build dense decoder layers; the forward is LlamaModel's.
-        PreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [LlamaMoteDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self._init_sample_router(config)
-        self.post_init()
+    decoder_layer_class = LlamaMoteDecoderLayer
+    norm_class = LlamaRMSNorm
+    rotary_embedding_class = LlamaRotaryEmbedding
 
 
 class LlamaMoteForCausalLM(MoteGenerationMixin, LlamaMotePreTrainedModel, LlamaForCausalLM):
@@ -157,13 +146,6 @@ class LlamaMoteForCausalLM(MoteGenerationMixin, LlamaMotePreTrainedModel, LlamaF
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        aux_loss = router_aux_loss(self.config, outputs.router_logits, attention_mask) if output_router_logits else None
-        return MoeCausalLMOutputWithPast(
-            loss=with_aux_loss(self.config, loss, aux_loss),
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
+        return causal_lm_output(
+            MoeCausalLMOutputWithPast, self.config, outputs, logits, loss, attention_mask, output_router_logits
         )

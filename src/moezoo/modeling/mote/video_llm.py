@@ -23,11 +23,10 @@ from .common import (
     MoteMultimodalCausalLMOutputWithPast,
     MoteMultimodalModelOutputWithPast,
     accepts_past_key_values,
-    router_aux_loss,
+    causal_lm_output,
     sample_routing_mask,
     wants_router_logits,
     warn_of_placeholders_without_media,
-    with_aux_loss,
 )
 from .llama import LlamaMoteModel
 
@@ -205,14 +204,8 @@ class VideoLlmMoteModel(VideoLlmMotePreTrainedModel):
             routing_mask=routing_mask,
             **kwargs,
         )
-        return MoteMultimodalModelOutputWithPast(
-            last_hidden_state=outputs.last_hidden_state,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-            video_outputs=video_outputs,
-        )
+        # The decoder's outputs (hidden states, cache, attentions, router logits) and the vision tower's.
+        return MoteMultimodalModelOutputWithPast(**outputs, video_outputs=video_outputs)
 
 
 class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreTrainedModel, GenerationMixin):
@@ -281,16 +274,9 @@ class VideoLlmMoteForConditionalGeneration(MoteGenerationMixin, VideoLlmMotePreT
         loss = None
         if labels is not None:
             loss = self.stream_loss(logits, labels, input_ids, **kwargs)
-        aux_loss = router_aux_loss(text_config, outputs.router_logits, attention_mask) if output_router_logits else None
-        return MoteMultimodalCausalLMOutputWithPast(
-            loss=with_aux_loss(text_config, loss, aux_loss),
-            aux_loss=aux_loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            video_outputs=outputs.video_outputs,
-            router_logits=outputs.router_logits,
+        return causal_lm_output(
+            MoteMultimodalCausalLMOutputWithPast, text_config, outputs, logits, loss, attention_mask,
+            output_router_logits,
         )
 
     def stream_loss(self, logits, labels, input_ids, **kwargs) -> torch.Tensor:
