@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..terminal import console
-from . import moe_core, moe_vie, moemb, mote, omnimoe_vl
+from . import moe_core, moe_vie, moemb, mote, omnimoe_vl, smoes
 
 
 # (folder name, title, stage module); each stage has `run(out_dir, quick) -> dict`.
@@ -15,6 +15,7 @@ STAGES = [
     ("moemb", "MoEMB, a universal multimodal embedder converted from Qwen3.5-MoE", moemb),
     ("mote", "MoTE: task experts on synthetic procedure videos", mote),
     ("omnimoe_vl", "OmniMoE-VL: a prompt-conditioned route over visual depths", omnimoe_vl),
+    ("smoes", "SMoES: experts grouped by modality, fewer bytes for expert parallelism", smoes),
 ]
 
 

@@ -217,10 +217,19 @@ def routing_by_modality(
         modalities.append(hard_modality(batch["mm_token_type_ids"], text_config.smoes_vision_token_types))
         valids.append(batch["attention_mask"].bool())
     model.train(was_training)
+    return modality_routing(selections, modalities, valids, num_experts)
 
+
+def modality_routing(
+    selections: list[list[torch.LongTensor]], modalities: list[torch.LongTensor], valids: list[torch.Tensor],
+    num_experts: int,
+) -> tuple[RoutingStatistics, list[float]]:
+    """Per MoE layer, the top-k dispatches by hard modality and the MSI, from batches of routing: `selections[b][l]`
+    is layer l's (B, T, k) selection on batch b, `modalities[b]` and `valids[b]` its (B, T) labels and mask."""
+    top_k = selections[0][0].size(-1)
     stats = RoutingStatistics({}, group_names=MODALITIES)
     msi = []
-    for layer in range(text_config.num_hidden_layers):
+    for layer in range(len(selections[0])):
         counts = torch.zeros(len(MODALITIES), num_experts, dtype=torch.long)
         for selection, modality, valid in zip(selections, modalities, valids):
             chosen, labels = selection[layer][valid], modality[valid]  # (N, k), (N,)
