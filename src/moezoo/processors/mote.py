@@ -173,6 +173,15 @@ class MoteRoutingMixin:
             )
         return [expert_names.index(name) for name in names]
 
+    def text_route_ids(self, text, task, route_selector) -> list[int] | None:
+        """`route_ids` of a processor call's `text` (a prompt or a list of them). Without text there is nothing to
+        route: `task` and `route_selector` are then refused, and the call returns no `task_ids`."""
+        if text is None:
+            if task is not None or route_selector is not None:
+                raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
+            return None
+        return self.route_ids(task, route_selector, as_text_list(text))
+
     def answer_ids(self, answers: list[str]) -> list[list[int]]:
         """
         The token ids a model must generate after the generation prompt for each answer, end-of-turn token included:
@@ -286,11 +295,9 @@ class GlmOcrMoteProcessor(ChecksInputs, MoteRoutingMixin):
                 "GLM-OCR-MoTE's processor takes images only (GLM-OCR's video processor needs torchvision); pass video "
                 "frames as images."
             )
-        if text is None and (task is not None or route_selector is not None):
-            raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
+        route_ids = self.text_route_ids(text, task, route_selector)
         warn_if_audio(audio, self)
         inputs = super().__call__(images=images, text=text, **kwargs)
-        route_ids = None if text is None else self.route_ids(task, route_selector, as_text_list(text))
         return add_task_ids(inputs, route_ids, self._merge_kwargs(**kwargs)["text_kwargs"].get("return_tensors"))
 
     def validate_inputs(self, images=None, text=None, **kwargs):
@@ -711,12 +718,10 @@ class VideoLlmMoteProcessor(ChecksInputs, MoteRoutingMixin):
         """
         # Not ProcessorMixin.__call__: images and videos both become frames of `pixel_values_videos`, which must
         # follow the order of their placeholders in the texts.
-        if text is None and (task is not None or route_selector is not None):
-            raise ValueError("`task` and `route_selector` route texts: pass the prompt as text= too.")
+        route_ids = self.text_route_ids(text, task, route_selector)
         images, text, videos, audio = self.prepare_inputs_layout(images=images, text=text, videos=videos, **kwargs)
         self.validate_inputs(images=images, text=text, videos=videos, **kwargs)
         warn_if_audio(audio, self)
-        route_ids = None if text is None else self.route_ids(task, route_selector, text)
         output_kwargs = self._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, **kwargs)
         return_tensors = output_kwargs["text_kwargs"].pop("return_tensors", None)
 
