@@ -75,14 +75,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def run_processes(script: Path, *args, nproc: int = 2, env: dict | None = None, timeout: int = 180,
+                  check: bool = True) -> subprocess.CompletedProcess:
+    """Run `script` (with `args`) as `nproc` processes under torchrun on this machine, one thread each, with `env`
+    added to the environment; with `check`, fail the test if any process fails."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), str(script), *map(str, args)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def run_two_processes(script: Path, *args, timeout: int = 180) -> None:
     """Run `script` (with `args`) as two processes under torchrun on this machine; fail the test if either fails."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(script), *map(str, args)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_processes(script, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -36,11 +36,17 @@ from .arguments import (
     loss_summary,
     trainer_options,
     training_arguments,
-    training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
-from .distributed import all_gather_with_grad, world
+from .distributed import (
+    add_distributed_arguments,
+    all_gather_with_grad,
+    check_enough_examples,
+    load_for_training,
+    main_process_output_dir,
+    world,
+)
 from .plots import plot_log_history
 
 
@@ -186,6 +192,8 @@ class MoeVieTrainingOptions:
     logging_steps: int = 10
     save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
     resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
+    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
+    ep: int = 1  # expert parallelism over this many processes
 
 
 def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
@@ -228,7 +236,7 @@ def train_moe_vie(
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
-    model = MoeVieModel.from_pretrained(folder)
+    model = load_for_training(MoeVieModel, folder, options.fsdp, options.ep, options.save_steps)
     processor = MoeVieProcessor.from_pretrained(folder)
     if options.loss_type:
         set_loss_type(model, options.loss_type)
@@ -240,12 +248,11 @@ def train_moe_vie(
     else:
         dataset = load_image_text_dataset(data, image_column, text_column)
         collator = ImageTextCollator(processor, options.image_size)
-    if len(dataset) < options.batch_size:
-        raise ValueError(f"the data set has {len(dataset)} examples, fewer than one batch of {options.batch_size}")
+    check_enough_examples(len(dataset), options.batch_size)
     set_seed(options.seed)  # before the LoRA adapters' random initialisation: the Trainer seeds only what follows
     trained = with_lora(model, options.lora_r) if options.lora_r else model
 
-    with training_output_dir(out, overwrite=overwrite) as staging:
+    with main_process_output_dir(out, overwrite=overwrite) as staging:
         # The global contrastive loss needs equal batches on every process.
         args = training_arguments(out, options, dataloader_drop_last=True)
         trainer_class, extra = MoeVieTrainer, {}
@@ -307,6 +314,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--text-column", default="text")
     defaults = MoeVieTrainingOptions()
     add_trainer_arguments(parser, defaults)
+    add_distributed_arguments(parser)
     parser.add_argument("--loss", choices=sorted(CONTRASTIVE_LOSSES), help="switch the model's contrastive loss")
     parser.add_argument("--image-size", type=int, help="resize images to this size (progressive resolution)")
     parser.add_argument("--video", action="store_true",
@@ -321,7 +329,7 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoeVieTrainingOptions(
-        **trainer_options(args), loss_type=args.loss, image_size=args.image_size, video=args.video,
+        **trainer_options(args), fsdp=args.fsdp, ep=args.ep, loss_type=args.loss, image_size=args.image_size, video=args.video,
         num_frames=args.num_frames, distill_weight=args.distill_weight,
         freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r,
     )

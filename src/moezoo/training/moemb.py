@@ -67,11 +67,18 @@ from .arguments import (
     loss_summary,
     trainer_options,
     training_arguments,
-    training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, load_table
-from .distributed import all_gather_with_grad, world
+from .distributed import (
+    add_distributed_arguments,
+    all_gather_with_grad,
+    check_enough_examples,
+    load_for_training,
+    main_process_output_dir,
+    refuse_sharding,
+    world,
+)
 from .plots import plot_log_history
 
 SIDES = ("query", "target", "negative")
@@ -504,6 +511,8 @@ class MoEmbTrainingOptions:
     logging_steps: int = 10
     save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
     resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
+    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
+    ep: int = 1  # expert parallelism over this many processes
 
 
 def train_moemb(
@@ -522,17 +531,19 @@ def train_moemb(
     options = options or MoEmbTrainingOptions()
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
+    refuse_sharding(options.fsdp, options.ep, "its recipe adds LoRA adapters and a trainable embedding row")
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moemb`", ["moemb"])
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
     eval_dataset = None if eval_data is None else load_mmeb_dataset(eval_data, image_root, options.negatives)
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
-        if examples is not None and len(examples) < options.batch_size:
-            raise ValueError(f"the {name} has {len(examples)} examples, fewer than one batch of {options.batch_size}")
+        if examples is not None:
+            check_enough_examples(len(examples), options.batch_size, name)
     if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
         raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
                          f"{options.chunk_size}")  # fmt: skip
-    model = MoEmbForEmbedding.from_pretrained(folder, dtype=torch.bfloat16 if options.bf16 else torch.float32)
+    model = load_for_training(MoEmbForEmbedding, folder, options.fsdp, options.ep, options.save_steps,
+                              dtype=torch.bfloat16 if options.bf16 else torch.float32)
     processor = MoEmbProcessor.from_pretrained(folder)
     if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
         raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
@@ -542,7 +553,7 @@ def train_moemb(
     trainable = count_trainable(peft_model)
     learning_rate = options.learning_rate or RECIPES[options.recipe]
 
-    with training_output_dir(out, overwrite=overwrite) as staging:
+    with main_process_output_dir(out, overwrite=overwrite) as staging:
         args = training_arguments(
             out,
             options,
@@ -554,6 +565,9 @@ def train_moemb(
             max_grad_norm=1.0,
             bf16=options.bf16,
             dataloader_drop_last=True,  # equal local batches: the labels of the gathered logits assume them
+            # Queries and targets are two forwards before one backward, which DDP allows only with a static graph: the
+            # same parameters used at every step, as they are here (fused experts are one tensor per layer).
+            ddp_static_graph=True,
             # Validation batches as large as the training ones: InfoNCE depends on the number of in-batch negatives.
             per_device_eval_batch_size=options.batch_size,
             eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
@@ -630,6 +644,7 @@ def add_train_arguments(parser) -> None:
         "batch_size": "pairs per process; all processes' targets are every query's negatives",
         "lr": "peak learning rate (default: the recipe's)",
     })
+    add_distributed_arguments(parser)
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=defaults.recipe,
                         help="stated: peak LR 1e-4 (the paper's headline); tuned: 5e-5 (its Fig. 6)")
     parser.add_argument("--chunk-size", type=int,
@@ -658,7 +673,7 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoEmbTrainingOptions(
-        **trainer_options(args), recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
+        **trainer_options(args), fsdp=args.fsdp, ep=args.ep, recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
         negatives=args.negatives, mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16,
         lora=LoraOptions(rank=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, experts=args.expert_lora,
                          expert_groups=args.expert_lora_groups, target_gdn=args.lora_target_gdn,

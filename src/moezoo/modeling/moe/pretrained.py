@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
 # Importing the kernel modules registers "moezoo" and "moezoo_triton" in transformers' ExpertsInterface, in exported
 # (flattened) folders too, so `experts_implementation=` either works wherever the model code runs.
 from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
 from ...kernels.triton_experts import IMPLEMENTATION_NAME as TRITON_EXPERTS_IMPLEMENTATION  # noqa: F401
+from .block import SparseMoeBlock
 
 
 class MoePreTrainedMixin:
@@ -23,6 +25,33 @@ class MoePreTrainedMixin:
         known only when the experts are called (models are built on the meta device and moved afterwards). An
         explicit request is honoured as usual."""
         return super().get_correct_experts_implementation(requested_experts or SORTED_EXPERTS_IMPLEMENTATION)
+
+    def init_parallel_plans(self) -> None:
+        """
+        transformers' plans, plus the rules of the core's modules wherever this model holds them, so that
+        `DistributedConfig(ep_size=N)` and `DistributedConfig(fsdp_size=N)` work on every zoo model without a
+        hand-written plan per architecture (names with `*` for the layer numbers, as transformers writes them):
+
+        - EP: each `SparseMoeBlock`'s fused expert tensors are split into contiguous ranges on dim 0, the expert
+          dim (`"grouped_gemm"`), and its experts module reaches them through transformers' token exchange
+          (`"ep_dispatch_experts"`, `AllToAllEP` when training);
+        - FSDP2: each `_no_split_modules` layer is its own `fully_shard` unit (`"free_full_weight"`: gathered for
+          its forward and backward only), rather than the whole model in one.
+        """
+        super().init_parallel_plans()
+        no_split_modules = set(self._no_split_modules or ())
+        module_names = set()
+        for name, module in self.named_modules():
+            generic_name = replace_layer_number_by_wildcard(name)
+            module_names.add(generic_name)
+            if isinstance(module, SparseMoeBlock):
+                for parameter_name, _ in module.experts.named_parameters(recurse=False):
+                    self._ep_plan[f"{generic_name}.experts.{parameter_name}"] = "grouped_gemm"
+                self._ep_plan[f"{generic_name}.experts"] = "ep_dispatch_experts"
+            elif name and type(module).__name__ in no_split_modules:
+                self._fsdp_plan[generic_name] = "free_full_weight"
+        # The config's default FSDP rules name `embed_tokens`, `layers.*` and `norm`, which most zoo models lack.
+        self._fsdp_plan = {name: style for name, style in self._fsdp_plan.items() if name in module_names}
 
 
 class WithoutFusedExpertsMixin:

@@ -1,0 +1,262 @@
+"""`moezoo train ARCH` on two gloo processes: DDP (a plain distributed launch), FSDP2 (`--fsdp 2`) and the expert
+parallelism of the zoo's routed experts (`--ep 2`) give the loss and the weights of one process on the same global
+batch; the saved folder loads in a fresh process; `--resume` continues a distributed run; bad launches fail before
+any work. Tiny models, two or three steps, one thread per process.
+
+Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training.py ARCH
+MODEL OUT --fsdp N --ep N ...` (the arguments of `train`).
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoImageProcessor
+
+from moezoo.configuration.mote import VideoLlmMoteConfig
+from moezoo.processors.mote import VideoLlmMoteFrameProcessor
+from moezoo.training import moe_vie, moemb, mote
+from moezoo.training.moemb_synthetic import ShapeRetrieval
+from moezoo.training.mote_synthetic import ProcedureVideos
+from moezoo.training.synthetic import ColouredShapes
+
+from conftest import run_processes, run_python
+
+# Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
+from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
+
+STEPS, GLOBAL_BATCH, LEARNING_RATE = 2, 4, 1e-3
+WORLD = 2
+# Summed in another order, a gradient differs in its last bits; Adam divides it by its own magnitude, so where a
+# gradient is almost zero that rounding moves a weight by up to ~learning rate per step. 1e-4 tolerates it, and is
+# still far below what a wrong batch or an unsynchronised gradient changes (the learning rate itself).
+WEIGHT_ATOL = 1e-4
+
+
+def shapes_dataset():
+    return ColouredShapes(image_size=16, colours=("red", "blue"), held_out=()).image_text_dataset(
+        16, torch.Generator().manual_seed(0))
+
+
+def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, save_steps: int = 0,
+          resume: bool = False) -> dict:
+    """One run of `moezoo train ARCH`, deterministic: fixed data, no dropout, the same seed everywhere."""
+    common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, fsdp=fsdp, ep=ep,
+                  save_steps=save_steps, resume=resume)  # fmt: skip
+    if arch == "moe_vie":
+        return moe_vie.train_moe_vie(model, shapes_dataset(), out, moe_vie.MoeVieTrainingOptions(**common))
+    if arch == "moemb":
+        data = ShapeRetrieval().training_dataset(16, torch.Generator().manual_seed(0))
+        lora = moemb.LoraOptions(rank=2, alpha=4, dropout=0.0)
+        return moemb.train_moemb(model, data, out, moemb.MoEmbTrainingOptions(**common, warmup_steps=0, lora=lora))
+    # VideoLLM-MoTE: its frame processor is known to AutoImageProcessor once registered
+    AutoImageProcessor.register(VideoLlmMoteConfig, image_processor_classes={"pil": VideoLlmMoteFrameProcessor},
+                                exist_ok=True)  # fmt: skip
+    data = ProcedureVideos().dataset({"step": 8, "next": 8}, torch.Generator().manual_seed(0))
+    return mote.train_mote(model, data, out, mote.MoteTrainingOptions(**common))
+
+
+TRAINER_CLASSES = {"moe_vie": moe_vie.MoeVieTrainer, "moemb": moemb.MoEmbTrainer, "mote": mote.MoteTrainer}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("arch")
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.stop_at:
+        trainer_class = TRAINER_CLASSES[args.arch]
+        training_step, calls = trainer_class.training_step, []
+
+        def interrupted_training_step(self, *step_args, **step_kwargs):
+            calls.append(None)
+            if len(calls) == args.stop_at:
+                raise KeyboardInterrupt
+            return training_step(self, *step_args, **step_kwargs)
+
+        trainer_class.training_step = interrupted_training_step
+    try:
+        train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
+              args.resume)
+    except KeyboardInterrupt:
+        sys.exit(3)
+
+
+def run_distributed(arch: str, model, out, *flags, check: bool = True):
+    return run_processes(__file__, arch, model, out, *flags, nproc=WORLD, timeout=300, check=check)
+
+
+def assert_same_weights(folder, reference) -> None:
+    weights, expected = load_file(folder / "model.safetensors"), load_file(reference / "model.safetensors")
+    # FSDP2's gathered state dict also writes tied weights (the tied lm_head): the reference's keys must all be there
+    assert expected.keys() <= weights.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def assert_same_losses(folder, reference: dict) -> None:
+    """The loss summary of the run that wrote `folder` (rounded to 4 decimals) is the reference run's."""
+    training = json.loads((folder / "moezoo.json").read_text())["training"]
+    for key in ("initial_loss", "final_loss", "mean_loss"):
+        assert training[key] == pytest.approx(reference[key], abs=2e-4), key
+
+
+@pytest.fixture(scope="module")
+def moe_vie_folder(tmp_path_factory):
+    from moezoo.zoo import create_from_preset
+
+    return create_from_preset("tiny-moe_vie", tmp_path_factory.mktemp("moe_vie") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def folders(moe_vie_folder, tiny_moemb, videollm_folder):  # noqa: F811
+    return {"moe_vie": moe_vie_folder, "moemb": tiny_moemb, "mote": videollm_folder}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["moe_vie", "moemb", "mote"])
+def test_ddp_trains_as_one_process_on_the_global_batch(arch, folders, tmp_path):
+    reference = train(arch, folders[arch], tmp_path / "one", GLOBAL_BATCH)
+    run_distributed(arch, folders[arch], tmp_path / "ddp")
+    assert not (tmp_path / "ddp.checkpoints").exists()
+    assert_same_weights(tmp_path / "ddp", tmp_path / "one")
+    assert_same_losses(tmp_path / "ddp", reference)
+
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_one_process_and_its_folder_loads_in_a_fresh_process(videollm_folder, tmp_path):  # noqa: F811
+    """MoTE, whose task experts are whole FFNs chosen per example: FSDP2 shards every layer, experts included."""
+    reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH)
+    run_distributed("mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD)
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
+    assert_same_losses(tmp_path / "fsdp", reference)
+    run_python(f"""
+        import torch
+        from safetensors.torch import load_file
+        from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
+        model = VideoLlmMoteForConditionalGeneration.from_pretrained({str(tmp_path / "fsdp")!r})
+        saved = load_file({str(tmp_path / "fsdp" / "model.safetensors")!r})
+        assert all(torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
+        assert model.lm_head.weight is model.get_input_embeddings().weight  # tied again
+    """)
+
+
+@pytest.mark.slow
+def test_a_ddp_run_resumes_from_its_checkpoint(moe_vie_folder, tmp_path):
+    """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of an uninterrupted run."""
+    run_distributed("moe_vie", moe_vie_folder, tmp_path / "uninterrupted")
+    out = tmp_path / "out"
+    stopped = run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--stop-at", 2, check=False)
+    assert stopped.returncode != 0 and not out.exists()
+    assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
+    run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--resume")
+    assert not (tmp_path / "out.checkpoints").exists()
+    assert_same_weights(out, tmp_path / "uninterrupted")
+
+
+def test_checkpoints_of_a_sharded_run_are_refused_before_loading(videollm_folder, tmp_path, monkeypatch):  # noqa: F811
+    """transformers' Trainer cannot checkpoint the optimizer state of a model sharded at load: no --resume there."""
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the refusal comes before any collective
+    with pytest.raises(ValueError, match="--save-steps 1 with --fsdp / --ep: .* cannot be resumed"):
+        mote.train_mote(videollm_folder, ProcedureVideos().dataset({"step": 4}, torch.Generator()), tmp_path / "out",
+                        mote.MoteTrainingOptions(steps=2, batch_size=1, fsdp=WORLD, save_steps=1))  # fmt: skip
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.checkpoints").exists()
+
+
+EP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers.distributed import DistributedConfig
+from moezoo.modeling.moemb import MoEmbForEmbedding
+
+torch.set_num_threads(1)
+folder, = sys.argv[1:]
+generator = torch.Generator().manual_seed(0)
+reference = MoEmbForEmbedding.from_pretrained(folder)
+input_ids = torch.randint(0, 100, ({world}, 2, 6), generator=generator)  # one batch of 2 sequences per process
+input_ids[..., -1] = reference.config.emb_token_id  # the token MoEMB pools
+
+def loss_of(model, ids):
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).embeddings.pow(2).sum(-1).mean()
+
+reference_losses = [loss_of(reference, ids) for ids in input_ids]
+torch.stack(reference_losses).mean().backward()
+
+model = MoEmbForEmbedding.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size={world}, ep_size={world}))
+rank = dist.get_rank()
+experts = model.model.language_model.layers[0].mlp.experts
+assert isinstance(experts.gate_up_proj, DTensor) and experts.num_experts == reference.config.text_config.num_experts // {world}
+loss = loss_of(model, input_ids[rank])
+loss.backward()
+torch.testing.assert_close(loss, reference_losses[rank], rtol=0, atol=1e-6)
+for name, parameter in model.named_parameters():
+    gradient = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+    expected = reference.get_parameter(name).grad
+    torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-7, msg=name)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_expert_parallel_moemb_computes_the_loss_and_gradients_of_one_process(tiny_moemb, tmp_path):
+    """The EP plan the core derives for MoEMB's `SparseMoeBlock`s: each process holds half of every layer's experts
+    (a contiguous range), tokens reach them through transformers' all-to-all, and the loss and every gradient
+    (gathered) are those of one process on both batches."""
+    script = tmp_path / "expert_parallel.py"
+    script.write_text(EP_SCRIPT.format(world=WORLD))
+    run_processes(script, tiny_moemb, nproc=WORLD)
+
+
+def test_sharding_flags_need_a_distributed_launch(moe_vie_folder, tmp_path):
+    options = moe_vie.MoeVieTrainingOptions(steps=1, batch_size=2, fsdp=2)
+    with pytest.raises(ValueError, match=r"--fsdp 2 .* this is a single process: launch the command with `torchrun"):
+        moe_vie.train_moe_vie(moe_vie_folder, shapes_dataset(), tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_what_cannot_be_sharded_is_refused_before_loading(moe_vie_folder, tiny_moemb, videollm_folder):  # noqa: F811
+    from moezoo.modeling.moe_vie import MoeVieModel
+    from moezoo.modeling.moemb import MoEmbForEmbedding
+    from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
+    from moezoo.training.distributed import check_shardable
+
+    with pytest.raises(ValueError, match=r"0-d parameters \(logit_scale\), which FSDP2 cannot shard"):
+        check_shardable(MoeVieModel, MoeVieModel.config_class.from_pretrained(moe_vie_folder), ep=1)
+    mote_config = VideoLlmMoteConfig.from_pretrained(videollm_folder)
+    with pytest.raises(ValueError, match="has no routed experts to distribute"):
+        check_shardable(VideoLlmMoteForConditionalGeneration, mote_config, ep=2)
+    moemb_config = MoEmbForEmbedding.config_class.from_pretrained(tiny_moemb)
+    num_experts = moemb_config.text_config.num_experts
+    check_shardable(MoEmbForEmbedding, moemb_config, ep=num_experts)
+    with pytest.raises(ValueError, match=rf"\({num_experts}\) do not split evenly over {num_experts + 1} processes"):
+        check_shardable(MoEmbForEmbedding, moemb_config, ep=num_experts + 1)
+
+
+@pytest.mark.slow
+def test_processes_loading_different_dtypes_fail_at_the_start(tmp_path):
+    script = tmp_path / "dtypes.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from moezoo.training.distributed import check_same_dtype_everywhere\n"
+        "dist.init_process_group('gloo')\n"
+        "check_same_dtype_everywhere(torch.float32 if dist.get_rank() == 0 else torch.bfloat16)\n"
+    )
+    result = run_processes(script, nproc=WORLD, check=False)
+    assert result.returncode != 0
+    assert "load the model in different dtypes (torch.float32, torch.bfloat16, by rank)" in result.stderr
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
