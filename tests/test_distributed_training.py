@@ -1,16 +1,16 @@
-"""`moezoo train ARCH` on two gloo processes: DDP (a plain distributed launch), FSDP2 (`--fsdp 2`) and the expert
-parallelism of the zoo's routed experts (`--ep 2`) give the loss and the weights of one process on the same global
-batch; the saved folder loads in a fresh process; `--resume` continues a distributed run; bad launches fail before
-any work. Tiny models, two or three steps, one thread per process.
+"""`moezoo train ARCH` on two gloo processes: DDP (a plain distributed launch, all three architectures) and FSDP2
+(`--fsdp 2`, MoTE) give the loss and the weights of one process on the same global batch; the saved folder loads in a
+fresh process; `--resume` continues a DDP run; MoEMB's model under the EP plan the core derives (`ep_size=2`) gives
+the loss and gradients of one process; what cannot run distributed is refused before loading. Tiny models, two
+steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training.py ARCH
-MODEL OUT --fsdp N --ep N ...` (the arguments of `train`).
+MODEL OUT [--fsdp N] [--ep N] [--save-steps N] [--resume] [--stop-at STEP]`.
 """
 
 import argparse
 import json
 import sys
-from dataclasses import replace
 
 import pytest
 import torch

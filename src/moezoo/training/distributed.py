@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.distributed import DistributedConfig
 
 from .arguments import training_output_dir
@@ -94,7 +94,7 @@ def distributed_config(fsdp: int, ep: int, save_steps: int = 0) -> DistributedCo
     return DistributedConfig(fsdp_size=world_size, ep_size=ep) if ep > 1 else DistributedConfig(fsdp_size=fsdp)
 
 
-def check_shardable(model_class: type[PreTrainedModel], config: PretrainedConfig, ep: int) -> None:
+def check_shardable(model_class: type[PreTrainedModel], config: PreTrainedConfig, ep: int) -> None:
     """
     Refuses, before any weight is read, what transformers and FSDP2 would fail on half-way through loading: a 0-d
     parameter (`fully_shard` shards every parameter on dim 0), and with `ep > 1` a model without routed experts or
