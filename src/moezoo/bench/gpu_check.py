@@ -70,7 +70,7 @@ BENCH_COLUMNS = {
     },
     "moemb": {
         "inputs": "inputs", "model": "model", "impl": "impl", "batch_size": "batch", "ms": "ms",
-        "embeddings_per_second": "embeddings/s", "overhead_vs_transformers": "overhead vs transformers",
+        "embeddings_per_second": "embeddings/s", "overhead_vs_transformers": "overhead vs transformers (fraction)",
         "speedup_vs_eager": "× eager", "max_abs_diff_vs_transformers": "max |Δ| vs transformers", "note": "note",
     },
 }  # fmt: skip
