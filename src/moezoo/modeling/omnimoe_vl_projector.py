@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers.activations import ACT2FN
+from transformers.masking_utils import padding_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.siglip.modeling_siglip import eager_attention_forward
 from transformers.utils import ModelOutput
@@ -213,7 +215,12 @@ class OmniMoeVlCrossAttention(nn.Module):
         key = self.k_proj(keys_values).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
         value = self.v_proj(keys_values).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
         attention_mask = None
-        if key_mask is not None:  # additive (B, 1, 1, L): what eager and sdpa both take
+        if key_mask is not None and self.config._attn_implementation == "flex_attention":
+            # flex attention takes a BlockMask; an additive tensor would be read inside its score function, which
+            # torch's CPU kernels mis-index for these short query lengths.
+            attention_mask = create_block_mask(padding_mask_function(key_mask), B=batch, H=None, Q_LEN=num_queries,
+                                               KV_LEN=key_mask.shape[1], device=query.device)
+        elif key_mask is not None:  # additive (B, 1, 1, L): what eager and sdpa both take
             attention_mask = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
             attention_mask = attention_mask.masked_fill(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
