@@ -15,13 +15,12 @@ Both dense-derived designs are expressed as MoE text configs (`num_experts`, `nu
 with a `ValueError` that names the field.
 """
 
-import math
-
 from transformers import PreTrainedConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig, Qwen3_5MoeVisionConfig
 
 from ..modeling.moe.spec import MoeLayerSpec
 from .moemb_adaptive import AdaptiveSettings, check_adaptive_settings
+from .validation import is_non_negative_int, is_positive_int, require_choice, require_positive, require_token_id
 
 
 MOE_VARIANTS = ("native", "upcycled", "modality")
@@ -160,7 +159,7 @@ class MoEmbConfig(PreTrainedConfig):
             # Qwen3_5MoeVisionConfig's default width (3584) is not Qwen3_5MoeTextConfig's (2048): the default tower
             # projects into whichever text model it is given.
             self.vision_config.out_hidden_size = self.text_config.hidden_size
-        _require_choice(self, "moe_variant", MOE_VARIANTS)
+        require_choice(self, "moe_variant", MOE_VARIANTS)
         self._resolve_variant_defaults()
         # The text model builds its MoE blocks from its own config, so that it also runs alone.
         for name in ("use_shared_expert", "router_bias", "routed_scaling_factor", "modality_expert_map"):
@@ -177,7 +176,7 @@ class MoEmbConfig(PreTrainedConfig):
         if self.router_bias is None:
             self.router_bias = upcycled
         if self.routed_scaling_factor is None:
-            granularity = self.upcycle_granularity if upcycled and _is_positive_int(self.upcycle_granularity) else 1
+            granularity = self.upcycle_granularity if upcycled and is_positive_int(self.upcycle_granularity) else 1
             self.routed_scaling_factor = float(granularity)
         if self.moe_variant == "modality":
             if self.modality_expert_map is None:
@@ -223,13 +222,13 @@ class MoEmbConfig(PreTrainedConfig):
             )
         self._validate_vision_patches_and_heads()
         self._validate_mrope_section()
-        _require_choice(self, "source_model_type", SOURCE_MODEL_TYPES)
-        _require_choice(self, "pooling", POOLING_TYPES)
+        require_choice(self, "source_model_type", SOURCE_MODEL_TYPES)
+        require_choice(self, "pooling", POOLING_TYPES)
         special_tokens = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
         if self.emb_token_id is not None:
             special_tokens.append("emb_token_id")
         for name in special_tokens:
-            _require_token_id(self, name, text.vocab_size)
+            require_token_id(self, name, text.vocab_size)
         ids = [getattr(self, name) for name in special_tokens]
         shared = [f"{name}={token_id}" for name, token_id in zip(special_tokens, ids) if ids.count(token_id) > 1]
         if shared:
@@ -238,7 +237,7 @@ class MoEmbConfig(PreTrainedConfig):
                 "the vision start/end markers and <emb> each need a token of their own"
             )
         pad_token_id = text.pad_token_id
-        if pad_token_id is not None and (not _is_non_negative_int(pad_token_id) or pad_token_id >= text.vocab_size):
+        if pad_token_id is not None and (not is_non_negative_int(pad_token_id) or pad_token_id >= text.vocab_size):
             raise ValueError(
                 f"MoEmbConfig.text_config.pad_token_id={pad_token_id!r} must be a token id below "
                 f"text_config.vocab_size={text.vocab_size}"
@@ -253,11 +252,8 @@ class MoEmbConfig(PreTrainedConfig):
         for name in ("normalize_embeddings", "router_trainable", "use_shared_expert", "router_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEmbConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("logit_scale", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"MoEmbConfig.{name} must be a number > 0, got {value!r}")
-        if self.use_shared_expert and not _is_positive_int(text.shared_expert_intermediate_size):
+        require_positive(self, "logit_scale", "routed_scaling_factor")
+        if self.use_shared_expert and not is_positive_int(text.shared_expert_intermediate_size):
             raise ValueError(
                 "MoEmbConfig.use_shared_expert=True needs text_config.shared_expert_intermediate_size > 0, got "
                 f"{text.shared_expert_intermediate_size!r}"
@@ -277,7 +273,7 @@ class MoEmbConfig(PreTrainedConfig):
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config
         for name in ("depth", "patch_size", "temporal_patch_size", "spatial_merge_size", "num_heads"):
-            if not _is_positive_int(getattr(vision, name)):
+            if not is_positive_int(getattr(vision, name)):
                 raise ValueError(
                     f"MoEmbConfig.vision_config.{name} must be a positive integer, got {getattr(vision, name)!r}"
                 )
@@ -297,7 +293,7 @@ class MoEmbConfig(PreTrainedConfig):
         if (
             not isinstance(section, (list, tuple))
             or len(section) != 3
-            or not all(_is_non_negative_int(size) for size in section)
+            or not all(is_non_negative_int(size) for size in section)
             or sum(section) != rotary_dim // 2
         ):
             raise ValueError(
@@ -313,13 +309,13 @@ class MoEmbConfig(PreTrainedConfig):
                 raise ValueError(f"MoEmbConfig.{name} only applies to moe_variant='upcycled', not {self.moe_variant!r}")
         if not upcycled:
             return
-        if not _is_positive_int(self.upcycle_granularity):
+        if not is_positive_int(self.upcycle_granularity):
             raise ValueError(
                 f"MoEmbConfig.upcycle_granularity must be a positive integer for moe_variant='upcycled' (how many "
                 f"slices the dense FFN was cut into), got {self.upcycle_granularity!r}"
             )
         if self.upcycle_router_init is not None:
-            _require_choice(self, "upcycle_router_init", UPCYCLE_ROUTER_INITS)
+            require_choice(self, "upcycle_router_init", UPCYCLE_ROUTER_INITS)
         granularity, text = self.upcycle_granularity, self.text_config
         if text.num_experts < granularity:
             raise ValueError(
@@ -347,7 +343,7 @@ class MoEmbConfig(PreTrainedConfig):
             raise ValueError(
                 "MoEmbConfig.kept_expert_ids does not apply to moe_variant='modality': every modality needs its expert"
             )
-        if not _is_positive_int(text.num_experts) or not _is_positive_int(text.num_experts_per_tok):
+        if not is_positive_int(text.num_experts) or not is_positive_int(text.num_experts_per_tok):
             return  # the core names the bad size
         if text.num_experts_per_tok > text.num_experts:
             raise ValueError(
@@ -355,7 +351,7 @@ class MoEmbConfig(PreTrainedConfig):
                 f"text_config.num_experts={text.num_experts} experts kept by expert pruning (kept_expert_ids): every "
                 "token needs its top-k experts, so keep at least that many per layer"
             )
-        if not _is_positive_int(original) or original < text.num_experts:
+        if not is_positive_int(original) or original < text.num_experts:
             raise ValueError(
                 f"MoEmbConfig.pruned_from_num_experts={original!r} must be an integer >= text_config.num_experts="
                 f"{text.num_experts}: pruning keeps at most the experts a layer had"
@@ -369,7 +365,7 @@ class MoEmbConfig(PreTrainedConfig):
             if (
                 not isinstance(ids, list)
                 or len(ids) != text.num_experts
-                or not all(_is_non_negative_int(expert) and expert < original for expert in ids)
+                or not all(is_non_negative_int(expert) and expert < original for expert in ids)
                 or ids != sorted(set(ids))
             ):
                 raise ValueError(
@@ -395,7 +391,7 @@ class MoEmbConfig(PreTrainedConfig):
         if (
             not isinstance(expert_map, dict)
             or set(expert_map) != set(TOKEN_MODALITIES)
-            or not all(_is_non_negative_int(expert) and expert < num_experts for expert in expert_map.values())
+            or not all(is_non_negative_int(expert) and expert < num_experts for expert in expert_map.values())
         ):
             raise ValueError(
                 "MoEmbConfig.modality_expert_map must map each token modality 0 (text), 1 (image), 2 (video) to an "
@@ -413,15 +409,7 @@ class MoEmbConfig(PreTrainedConfig):
             )
 
 
-# --- validation helpers: each error names the field ---------------------------------------------------------------
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_non_negative_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+# --- helpers --------------------------------------------------------------------------------------------------------
 
 
 def _with_integer_keys(mapping: dict | None) -> dict | None:
@@ -429,20 +417,6 @@ def _with_integer_keys(mapping: dict | None) -> dict | None:
     if not isinstance(mapping, dict):
         return mapping
     return {int(key) if isinstance(key, str) and key.isdigit() else key: value for key, value in mapping.items()}
-
-
-def _require_choice(config, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(config, name)
-    if value not in choices:
-        raise ValueError(f"MoEmbConfig.{name}={value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def _require_token_id(config, name: str, vocab_size: int) -> None:
-    value = getattr(config, name)
-    if not _is_non_negative_int(value) or value >= vocab_size:
-        raise ValueError(
-            f"MoEmbConfig.{name} must be a token id in [0, text_config.vocab_size={vocab_size}), got {value!r}"
-        )
 
 
 # --- named configurations ------------------------------------------------------------------------------------------
