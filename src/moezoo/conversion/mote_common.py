@@ -11,19 +11,18 @@ model must be written exactly once; anything else is an error.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 from transformers.initialization import no_init_weights
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
 from ..hub.sources import open_safetensors
-from .common import option_name
+from .common import option_name, source_license
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -201,46 +200,6 @@ class SafetensorsCheckpoint:
 
 def _loader(handle, key: str) -> Callable[[], torch.Tensor]:
     return lambda: handle.get_tensor(key)
-
-
-def read_config(folder: Path, model_types: tuple[str, ...], what: str) -> dict:
-    """The source's config.json, checked to be one of `model_types`."""
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json: pass the folder of a {what} checkpoint")
-    config = json.loads(path.read_text())
-    if config.get("model_type") not in model_types:
-        raise ValueError(
-            f"{folder} holds a {config.get('model_type')!r} model, not a {what} checkpoint (model_type "
-            f"{' or '.join(map(repr, model_types))})"
-        )
-    return config
-
-
-def plain_config_fields(config: dict) -> dict:
-    """A config.json's fields without the ones that name its class or its saving."""
-    return {
-        key: value for key, value in config.items()
-        if key not in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype",
-                       "torch_dtype")
-    }
-
-
-def source_license(folder: Path) -> str | None:
-    """The `license:` of the source's model card front matter, if it has one."""
-    readme = folder / "README.md"
-    if not readme.is_file():
-        return None
-    match = re.search(r"^---\n(.*?)\n---", readme.read_text(errors="replace"), flags=re.DOTALL)
-    license_line = re.search(r"^license:\s*(\S+)", match[1], flags=re.MULTILINE) if match else None
-    return license_line[1] if license_line else None
-
-
-def source_tokenizer(folder: Path):
-    """The source's tokenizer (with its chat template), saved beside the converted model; `None` if it has none."""
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def adopt_generation_config(model, folder: Path) -> None:

@@ -20,7 +20,7 @@ from ..hub.sources import source_name
 from ..modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
 from ..terminal import quiet_libraries
-from .common import ConversionResult
+from .common import ConversionResult, plain_config_fields, read_config, source_tokenizer
 from .mote_common import (
     DTYPES,
     GLM_FFN,
@@ -31,10 +31,7 @@ from .mote_common import (
     as_experts,
     conversion_report,
     mote_fields,
-    plain_config_fields,
-    read_config,
     route_differences,
-    source_tokenizer,
 )
 
 

@@ -25,7 +25,14 @@ from ..modeling.mote.llama import LlamaMoteForCausalLM
 from ..modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from ..processors.build_mote import make_videollm_mote_processor
 from ..terminal import quiet_libraries
-from .common import ConversionResult, load_safetensors, option_name
+from .common import (
+    ConversionResult,
+    load_safetensors,
+    option_name,
+    plain_config_fields,
+    read_config,
+    source_tokenizer,
+)
 from .mote_common import (
     DTYPES,
     LLAMA_FFN,
@@ -37,10 +44,7 @@ from .mote_common import (
     conversion_report,
     dense_fields,
     mote_fields,
-    plain_config_fields,
-    read_config,
     route_differences,
-    source_tokenizer,
 )
 
 

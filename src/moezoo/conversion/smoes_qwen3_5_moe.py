@@ -30,8 +30,14 @@ from ..modeling.moe.smoes.state import SmoesLayerState
 from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
 from ..processors.build_smoes import make_smoes_processor
 from ..terminal import quiet_libraries
-from .common import ConversionResult, option_name
-from .mote_common import plain_config_fields, read_config, source_license, source_tokenizer
+from .common import (
+    ConversionResult,
+    option_name,
+    plain_config_fields,
+    read_config,
+    source_license,
+    source_tokenizer,
+)
 
 
 SOURCE_MODEL_TYPES = ("qwen3_5_moe",)
