@@ -22,7 +22,7 @@ from transformers import (
 from moezoo.configuration.moemb import TINY_MOEMB
 from moezoo.conversion.moemb_qwen3_5 import add_arguments, convert, convert_qwen3_5_checkpoint, synthetic_batch
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.processors.build_moemb import build_tiny_qwen_tokenizer
+from moezoo.processors.tiny_tokenizers import build_tiny_qwen_tokenizer
 
 
 EMB = TINY_MOEMB["emb_token_id"]

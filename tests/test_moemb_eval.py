@@ -24,7 +24,7 @@ from moezoo.evaluation.moemb import (
 )
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.processors.build_moemb import make_moemb_processor
-from moezoo.processors.moemb import IMAGE_TOKEN
+from moezoo.processors.qwen_tokens import IMAGE_TOKEN
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 CONFIG = MoEmbConfig(**TINY_MOEMB)

@@ -13,7 +13,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
-from moezoo.processors.build_moemb import build_tiny_qwen_tokenizer, make_moemb_processor
+from moezoo.processors.build_moemb import make_moemb_processor
+from moezoo.processors.tiny_tokenizers import build_tiny_qwen_tokenizer
 from moezoo.processors.moemb import (
     MoEmbImageProcessor,
     MoEmbProcessor,

@@ -35,7 +35,8 @@ import torch
 
 from ..configuration.moemb_adaptive import AdaptiveSettings, check_adaptive_settings
 from ..hub.sources import model_folder
-from ..processors.moemb import IMAGE_TOKEN, mmeb_input, normalize_input
+from ..processors.moemb import mmeb_input, normalize_input
+from ..processors.qwen_tokens import IMAGE_TOKEN
 from ..terminal import console, print_table, progress_bar
 from . import positive_int
 

@@ -2,7 +2,7 @@
 files).
 
 A converted checkpoint brings Qwen3's tokenizer and the vision source's preprocessing; a preset with a tiny text
-vocabulary gets a byte-level BPE tokenizer in Qwen's format built offline (`build_moemb.build_tiny_qwen_tokenizer`),
+vocabulary gets a byte-level BPE tokenizer in Qwen's format built offline (`tiny_tokenizers.build_tiny_qwen_tokenizer`),
 whose special tokens sit at the ids the config names.
 """
 
@@ -15,8 +15,9 @@ from transformers import AutoTokenizer
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from ..hub.sources import TOKENIZER_FILES, locate
-from .build_moemb import END_OF_TEXT, LARGEST_TINY_VOCABULARY, build_tiny_qwen_tokenizer
-from .omnimoe_vl import IM_END, IM_START, IMAGE_TOKEN, VISION_END, VISION_START, OmniMoeVlProcessor
+from .omnimoe_vl import OmniMoeVlProcessor
+from .qwen_tokens import END_OF_TEXT, IM_END, IM_START, IMAGE_TOKEN, VISION_END, VISION_START
+from .tiny_tokenizers import LARGEST_TINY_QWEN_VOCABULARY, build_tiny_qwen_tokenizer
 
 QWEN3_TOKENIZER_REPO = "Qwen/Qwen3-8B"
 # What a converted model keeps of its vision source's preprocessing (spec §6: the resample filter comes from the
@@ -44,7 +45,7 @@ def make_omnimoe_vl_processor(config, tokenizer=None, **image_options) -> OmniMo
     (`tiny_tokenizer_for` for tiny vocabularies, Qwen3's from the Hub otherwise), and one placeholder per patch.
     """
     if tokenizer is None:
-        if config.text_config.vocab_size <= LARGEST_TINY_VOCABULARY:
+        if config.text_config.vocab_size <= LARGEST_TINY_QWEN_VOCABULARY:
             tokenizer = tiny_tokenizer_for(config)
         else:
             tokenizer = AutoTokenizer.from_pretrained(

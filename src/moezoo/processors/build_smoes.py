@@ -10,9 +10,18 @@ from __future__ import annotations
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ..hub.sources import TOKENIZER_FILES, locate
-from .build_moemb import END_OF_TEXT, LARGEST_TINY_VOCABULARY, QWEN3_5_TOKENIZER_REPO, build_tiny_qwen_tokenizer
-from .moemb import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
+from .qwen_tokens import (
+    END_OF_TEXT,
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    QWEN3_5_TOKENIZER_REPO,
+    VIDEO_TOKEN,
+    VISION_END,
+    VISION_START,
+)
 from .smoes import SmoesQwen3_5MoeProcessor
+from .tiny_tokenizers import LARGEST_TINY_QWEN_VOCABULARY, build_tiny_qwen_tokenizer
 
 
 def make_smoes_processor(config, tokenizer=None, image_processor=None) -> SmoesQwen3_5MoeProcessor:
@@ -20,7 +29,7 @@ def make_smoes_processor(config, tokenizer=None, image_processor=None) -> SmoesQ
     a tokenizer matching the config's vocabulary and an image processor with its vision tower's patching. Tiny
     vocabularies also get tiny images (at most 16 tokens each), so that tests and demos run in seconds on a CPU."""
     vision_config, text_config = config.vision_config, config.text_config
-    tiny = text_config.vocab_size <= LARGEST_TINY_VOCABULARY
+    tiny = text_config.vocab_size <= LARGEST_TINY_QWEN_VOCABULARY
     if tokenizer is None and tiny:
         special_tokens = {
             IMAGE_TOKEN: config.image_token_id, VIDEO_TOKEN: config.video_token_id,

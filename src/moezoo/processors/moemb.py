@@ -60,14 +60,12 @@ from transformers.video_utils import VideoInput
 
 from .images import open_image
 from .inputs import ChecksInputs, check_image, describe, make_list_of_videos
+from .qwen_tokens import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
 
 
 logger = logging.get_logger(__name__)
 
 EMB_TOKEN = "<emb>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 # The image placeholder of MMEB / VLM2Vec records (Phi-3-V's image token).
 MMEB_IMAGE_TOKEN = "<|image_1|>"
 

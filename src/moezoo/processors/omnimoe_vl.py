@@ -30,9 +30,8 @@ from transformers.processing_utils import MultiModalData, ProcessingKwargs, Unpa
 from transformers.tokenization_utils_base import PreTokenizedInput, TextInput
 
 from .inputs import ChecksInputs
+from .qwen_tokens import IM_END, IM_START, IMAGE_TOKEN, VISION_END, VISION_START
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-IMAGE_TOKEN, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 IGNORE_INDEX = -100  # what transformers' losses skip
 
 # Newlines are Jinja expressions (`{{ '\n' }}`): the tags' whitespace control (`{%-`) would strip literal ones.
