@@ -10,6 +10,7 @@ from __future__ import annotations
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ..hub.sources import TOKENIZER_FILES, locate
+from .moemb import chat_template_for
 from .qwen_tokens import (
     END_OF_TEXT,
     IM_END,
@@ -43,8 +44,10 @@ def make_smoes_processor(config, tokenizer=None, image_processor=None) -> SmoesQ
         tokenizer = AutoTokenizer.from_pretrained(
             locate(QWEN3_5_TOKENIZER_REPO, "Qwen3.5's tokenizer", allow_patterns=TOKENIZER_FILES)
         )
+    # A tiny tokenizer has no chat template: it gets ChatML with images and videos in place, as Qwen3.5's writes them.
+    chat_template = getattr(tokenizer, "chat_template", None) or chat_template_for(None)
     if image_processor is not None:
-        return SmoesQwen3_5MoeProcessor(image_processor, tokenizer)
+        return SmoesQwen3_5MoeProcessor(image_processor, tokenizer, chat_template=chat_template)
     factor = vision_config.patch_size * vision_config.spatial_merge_size
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=vision_config.patch_size,
@@ -55,4 +58,4 @@ def make_smoes_processor(config, tokenizer=None, image_processor=None) -> SmoesQ
         # Qwen3.5's bounds (64 to 16384 merged tokens per image); tiny presets: 4 to 16.
         size={"shortest_edge": (4 if tiny else 64) * factor**2, "longest_edge": (16 if tiny else 16384) * factor**2},
     )
-    return SmoesQwen3_5MoeProcessor(image_processor, tokenizer)
+    return SmoesQwen3_5MoeProcessor(image_processor, tokenizer, chat_template=chat_template)

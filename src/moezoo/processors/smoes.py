@@ -25,3 +25,9 @@ class SmoesQwen3_5MoeProcessor(Qwen3VLProcessor):
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    @property
+    def videos_kwargs(self):
+        # `Qwen3VLProcessor` asks its video processor for frame metadata by default (`videos_kwargs`); without a video
+        # processor there is no video default to give, and transformers merges `getattr(self, "videos_kwargs", {})`.
+        raise AttributeError(f"{type(self).__name__} has no video processor, hence no default `videos_kwargs`")
