@@ -103,7 +103,8 @@ def test_a_run_writes_the_report_after_every_step(tmp_path):
             assert False
     """))
     steps = [
-        Step("tests", "tests", (str(test_file), "-q", "-p", "no:cacheprovider"), 120),
+        # The sample file's test ids are relative to its own folder wherever the temporary folder lies.
+        Step("tests", "tests", (str(test_file), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)), 120),
         Step("moe-layer", "bench", ("moe-layer", "--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "32",
                                     "--expert-width", "16", "--mode", "fwd", "--seconds-per-case", "0", "--threads",
                                     "1"), 300),
