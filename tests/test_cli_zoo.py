@@ -23,6 +23,15 @@ def test_list_json_has_every_preset_with_meta_device_counts():
     assert table.returncode == 0 and "tiny-moezoo_toy" in table.stdout and "toy-per-expert" in table.stdout
 
 
+def test_a_broken_extra_presets_module_is_left_out_with_a_warning():
+    """A module in MOEZOO_EXTRA_PRESETS that does not import is named, and every command still runs without it."""
+    result = run_moezoo("list", "--json", env={"MOEZOO_EXTRA_PRESETS": "toy_arch.presets,no_such_presets_module"})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "MOEZOO_EXTRA_PRESETS names 'no_such_presets_module', which was left out" in result.stderr
+    assert "tiny-moezoo_toy" in {row["name"] for row in json.loads(result.stdout)}
+
+
 def test_create_is_reproducible_per_seed(tmp_path):
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         result = run_moezoo("create", "tiny-moezoo_toy", "--out", tmp_path / name, "--seed", seed)

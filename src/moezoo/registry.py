@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,8 +135,17 @@ def load_catalogue() -> None:
         ZOO_ARCHITECTURES.extend(architecture.name for architecture in module.ARCHITECTURES)
     extra = [name.strip() for name in os.environ.get(EXTRA_PRESET_MODULES_ENV, "").split(",") if name.strip()]
     for module_name in extra:
-        module = importlib.import_module(module_name)
-        register(module.ARCHITECTURES, module.PRESETS, getattr(module, "CONVERTERS", ()))
+        # A broken extension must not make `import moezoo` (and with it every command) fail: it is left out, said.
+        try:
+            module = importlib.import_module(module_name)
+            register(module.ARCHITECTURES, module.PRESETS, getattr(module, "CONVERTERS", ()))
+        except (ImportError, AttributeError, ValueError) as error:
+            warnings.warn(
+                f"{EXTRA_PRESET_MODULES_ENV} names {module_name!r}, which was left out: {type(error).__name__}: "
+                f"{error}. It must be an importable module with ARCHITECTURES and PRESETS (and optionally "
+                f"CONVERTERS); fix it or remove it from {EXTRA_PRESET_MODULES_ENV}",
+                stacklevel=2,
+            )
 
 
 def get_architecture(name: str) -> Architecture:
