@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -163,6 +164,24 @@ def loss_summary(log_history: list[dict]) -> dict[str, float]:
         "final_loss": round(logs[-1]["loss"], 4),
         "mean_loss": round(total / window_ends[-1], 4),
     }
+
+
+@dataclass
+class TrainerOptions:
+    """The options every train command takes (`add_trainer_arguments`); each architecture's options dataclass extends
+    it, redeclaring the defaults it changes."""
+
+    steps: int = 200
+    batch_size: int = 8
+    learning_rate: float | None = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    logging_steps: int = 10
+    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
+    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None) -> None:

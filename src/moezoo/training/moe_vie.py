@@ -31,6 +31,7 @@ from ..modeling.moe_vie import CONTRASTIVE_LOSSES, MoeVieModel
 from ..processors.moe_vie import MoeVieProcessor
 from ..terminal import console, print_table
 from .arguments import (
+    TrainerOptions,
     add_trainer_arguments,
     checkpoint_to_resume,
     loss_summary,
@@ -173,14 +174,9 @@ def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: boo
 
 
 @dataclass
-class MoeVieTrainingOptions:
-    steps: int = 200
+class MoeVieTrainingOptions(TrainerOptions):
     batch_size: int = 32
-    learning_rate: float = 1e-3
     weight_decay: float = 0.05
-    warmup_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
     loss_type: str | None = None  # switch the model's contrastive loss (softmax | sigmoid)
     image_size: int | None = None
     video: bool = False
@@ -188,10 +184,6 @@ class MoeVieTrainingOptions:
     distill_weight: float = 0.5
     freeze_vision_dense_mlp: bool = True
     lora_r: int = 0
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
-    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
     fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
     ep: int = 1  # expert parallelism over this many processes
 

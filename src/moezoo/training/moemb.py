@@ -61,6 +61,7 @@ from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
 from .arguments import (
+    TrainerOptions,
     PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
@@ -492,25 +493,18 @@ def count_trainable(model: nn.Module) -> int:
 
 
 @dataclass
-class MoEmbTrainingOptions:
-    steps: int = 200
+class MoEmbTrainingOptions(TrainerOptions):
     batch_size: int = 32  # per process; the negatives pool is the global batch
     recipe: str = "stated"
     learning_rate: float | None = None  # default: the recipe's
     weight_decay: float = 0.01
     warmup_steps: int = 10
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
     chunk_size: int | None = None  # GradCache chunk size; None embeds the batch at once
     max_length: int | None = None  # default: the processor's (8192)
     negatives: bool = False
     mask_duplicate_targets: bool = False
     lora: LoraOptions = field(default_factory=LoraOptions)
     bf16: bool = False
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
-    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
     fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
     ep: int = 1  # expert parallelism over this many processes
 

@@ -49,6 +49,7 @@ from ..modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from ..processors.mote import IGNORE_INDEX, GlmOcrMoteProcessor, VideoLlmMoteProcessor
 from ..terminal import console, print_table
 from .arguments import (
+    TrainerOptions,
     PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
@@ -364,14 +365,9 @@ def trainable_parameters(model) -> dict[str, int]:
 
 
 @dataclass
-class MoteTrainingOptions:
+class MoteTrainingOptions(TrainerOptions):
     steps: int = 300
     batch_size: int = 16
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
     lora_r: int = 0  # 0: the decoder trains in full (for models trained from scratch); else LoRA on attention
     tasks: tuple[str, ...] = ()  # train on these tasks only (default: every task of the data)
     train_experts: tuple[str, ...] = ()  # train only these existing experts, on their tasks (instead of `tasks`)
@@ -381,10 +377,6 @@ class MoteTrainingOptions:
     init_from: str = "shared"
     base_model: str | None = None  # ... with "dense": that model's folder or Hub id (default: `mote_base_model`)
     description: str | None = None  # ... and its description for the route selector
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
-    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
     fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
     ep: int = 1  # expert parallelism over this many processes (refused: MoTE's task experts are not routed per token)
 

@@ -43,6 +43,7 @@ from ..processors.images import open_image
 from ..processors.omnimoe_vl import OmniMoeVlProcessor
 from ..terminal import console, print_table
 from .arguments import (
+    TrainerOptions,
     PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
@@ -322,22 +323,12 @@ def plot_depth_routes(routes: dict[str, torch.Tensor], path: str | Path, title: 
 
 
 @dataclass
-class OmniMoeVlTrainingOptions:
+class OmniMoeVlTrainingOptions(TrainerOptions):
     stage: str = "I"
-    steps: int = 200
-    batch_size: int = 8
     learning_rate: float | None = None  # None: the stage's default (STAGE_LEARNING_RATES, not the paper's values)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
     train_projector: bool = True  # Stages II-III: the projector trains too (spec D19)
     lora_r: int = 0  # Stages II-IV: LoRA of this rank on the stage's experts (and attention in IV), merged at the end
     router_utility_coef: float = 0.0  # > 0: add L_util with this weight (the paper's 0.35; one more backward a step)
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
-    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def load_omnimoe_vl_model(model_dir: str | Path) -> tuple[OmniMoeVlForConditionalGeneration, OmniMoeVlProcessor]:

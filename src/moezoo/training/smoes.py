@@ -42,6 +42,7 @@ from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
 from ..processors.smoes import SmoesQwen3_5MoeProcessor
 from ..terminal import console, print_table
 from .arguments import (
+    TrainerOptions,
     PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
@@ -248,20 +249,10 @@ def modality_routing(
 
 
 @dataclass
-class SmoesTrainingOptions:
-    steps: int = 200
-    batch_size: int = 8
+class SmoesTrainingOptions(TrainerOptions):
     learning_rate: float = 2e-5  # spec §6: the LLaVA-1.5 stage-2 value (the paper gives none)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
     lora_r: int = 0  # LoRA of this rank on attention and experts (routers in full), merged at the end; 0: full
     freeze_routers: bool = False  # only with both SMoES coefficients 0 (statistics-only runs)
-    seed: int = 0
-    logging_steps: int = 10
-    save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
-    resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
 
 
 def load_smoes_model(model_dir: str | Path) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, SmoesQwen3_5MoeProcessor]:
