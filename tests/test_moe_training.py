@@ -213,6 +213,7 @@ def test_each_process_keeps_its_own_counts_under_distributed_data_parallel(tmp_p
         for expert in (0, 2) if rank == 0 else (1, 3):
             model(torch.eye(4)[[expert] * (rank + 2)])[1].sum().backward()
         torch.save(router.tokens_per_expert, sys.argv[1] + f"/counts{rank}.pt")
+        dist.barrier()  # neither process tears gloo down while the other still uses it
         dist.destroy_process_group()
     """))
     run_two_processes(script, tmp_path)
