@@ -77,11 +77,13 @@ class TokenDecisions:
     drop: p^drop_tℓ, the token skips the routed experts at ℓ and leaves every later layer.
     skip: p^skip_tℓ, the token skips the routed experts at ℓ (the shared expert still runs).
     experts_per_token: k_eff, the routed experts that run when the token routes (at most k).
+    layer_skip: the token's sample bypasses block ℓ (spec §3.10): none of the block's work runs for it.
     """
 
     drop: torch.Tensor | None = None
     skip: torch.Tensor | None = None
     experts_per_token: torch.Tensor | None = None
+    layer_skip: torch.Tensor | None = None
 
     def resolved(self, shape: tuple[int, int], top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(drop, skip, k_eff) as float64 `(T, L)` tensors, checked."""
@@ -161,13 +163,21 @@ def logical_flops(
     text = config.text_config
     costs = TokenLayerFlops.from_config(config)
     shape = (int(cu_seqlens[-1]), text.num_hidden_layers)
-    drop, skip, experts = (decisions or TokenDecisions()).resolved(shape, costs.experts_per_token)
+    decisions = decisions or TokenDecisions()
+    drop, skip, experts = decisions.resolved(shape, costs.experts_per_token)
+    bypassed = torch.zeros(shape, dtype=torch.float64)
+    if decisions.layer_skip is not None:
+        bypassed = torch.as_tensor(decisions.layer_skip).double().cpu()
+        if tuple(bypassed.shape) != shape or not bool(((bypassed >= 0) & (bypassed <= 1)).all()):
+            raise ValueError(f"TokenDecisions.layer_skip must be {shape} (tokens, layers) values in [0, 1]")
 
     # α_tℓ = Π_{j<ℓ} (1 − p^drop_tj): every token reaches the first layer.
     reach = torch.cat([torch.ones(shape[0], 1, dtype=torch.float64), torch.cumprod(1 - drop, dim=1)[:, :-1]], dim=1)
-    routed = reach * (1 - skip - drop)  # (T, L): expected routing of each token at each layer
-    # ctx_tℓ: the expected number of tokens of t's sequence, up to t, that reach ℓ (causal attention's keys).
-    running = torch.cumsum(reach, dim=0)
+    # A bypassed block costs nothing; its tokens still reach the next one.
+    runs = reach * (1 - bypassed)
+    routed = runs * (1 - skip - drop)  # (T, L): expected routing of each token at each layer
+    # ctx_tℓ: the expected number of tokens of t's sequence, up to t, that run ℓ (causal attention's keys).
+    running = torch.cumsum(runs, dim=0)
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
     before_sequence = torch.cat([torch.zeros(1, shape[1], dtype=torch.float64), running])[starts]
     context = running - before_sequence
@@ -180,9 +190,9 @@ def logical_flops(
     ).double()
     return ForwardFlops(
         vision=vision_flops(config, image_grid_thw) + vision_flops(config, video_grid_thw),
-        token_mixers=float((reach.sum(0) * mixer_per_layer).sum()),
-        attention_context=float(costs.attention_per_key * (reach * context)[:, full_attention].sum()),
-        shared_experts=float(costs.shared_expert * reach.sum()),
+        token_mixers=float((runs.sum(0) * mixer_per_layer).sum()),
+        attention_context=float(costs.attention_per_key * (runs * context)[:, full_attention].sum()),
+        shared_experts=float(costs.shared_expert * runs.sum()),
         routed_experts=float(costs.routed_expert * (routed * experts).sum()),
         routers=float(costs.router * routed.sum()),
     )
