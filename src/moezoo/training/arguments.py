@@ -16,9 +16,11 @@ from rich.markup import escape
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainingArguments
+from transformers.distributed.expert_parallel import EPImplementationInterface
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..hub.folders import atomic_output_dir
+from ..modeling.moe import expert_parallel  # noqa: F401 (registers moezoo's "dedup" EP implementation)
 from ..terminal import error_console
 
 
@@ -182,6 +184,9 @@ class TrainerOptions:
     logging_steps: int = 10
     save_steps: int = 0  # a checkpoint every this many optimizer steps (0: none), for `resume`
     resume: bool = False  # continue from the latest checkpoint of an earlier run with the same `out`
+    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
+    ep: int = 1  # expert parallelism over this many processes
+    ep_implementation: str = "auto"  # how tokens reach the experts under `ep` (transformers' EPImplementationInterface)
 
 
 def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None) -> None:
@@ -207,6 +212,18 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run of this command (same options and --out) from its latest "
                              "checkpoint in OUT.checkpoints")  # fmt: skip
+    parser.add_argument("--fsdp", type=int, default=defaults.fsdp, metavar="N",
+                        help="shard parameters, gradients and optimizer state over N processes with FSDP2 (N: the "
+                             "number of processes of the launch); without it a distributed launch runs DDP")  # fmt: skip
+    parser.add_argument("--ep", type=int, default=defaults.ep, metavar="N",
+                        help="expert parallelism: each of N processes holds a contiguous range of every MoE layer's "
+                             "routed experts, tokens reach them by all-to-all (implies --fsdp WORLD_SIZE)")  # fmt: skip
+    parser.add_argument("--ep-implementation", default=defaults.ep_implementation,
+                        choices=EPImplementationInterface().valid_keys(),
+                        help="with --ep: how tokens reach the experts, a name registered in transformers' "
+                             "EPImplementationInterface (dedup: moezoo's, one copy of a token per rank that holds "
+                             "any of its experts; all_to_all: one per (token, expert) pair; auto: all_to_all while "
+                             "training)")  # fmt: skip
 
 
 def trainer_options(args: argparse.Namespace) -> dict:
@@ -215,5 +232,6 @@ def trainer_options(args: argparse.Namespace) -> dict:
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, logging_steps=args.logging_steps,
-        save_steps=args.save_steps, resume=args.resume,
+        save_steps=args.save_steps, resume=args.resume, fsdp=args.fsdp, ep=args.ep,
+        ep_implementation=args.ep_implementation,
     )

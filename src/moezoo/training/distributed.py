@@ -15,7 +15,6 @@ batch of one process, as in `TrainingArguments.per_device_train_batch_size`: the
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.distributed import DistributedConfig
+from transformers.distributed.expert_parallel import EPImplementationInterface
 
 from .arguments import training_output_dir
 
@@ -46,28 +46,28 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(torch.distributed.nn.functional.all_gather(tensor), dim=0)
 
 
-def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--fsdp N` and `--ep N`, the sharding options every train command takes."""
-    parser.add_argument("--fsdp", type=int, default=1, metavar="N",
-                        help="shard parameters, gradients and optimizer state over N processes with FSDP2 (N: the "
-                             "number of processes of the launch); without it a distributed launch runs DDP")  # fmt: skip
-    parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="expert parallelism: each of N processes holds a contiguous range of every MoE layer's "
-                             "routed experts, tokens reach them by all-to-all (implies --fsdp WORLD_SIZE)")  # fmt: skip
-
-
 def launched_world_size() -> int:
     """The number of processes `torchrun` / `accelerate launch` started (1 for a plain launch)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def distributed_config(fsdp: int, ep: int, save_steps: int = 0) -> DistributedConfig | None:
+def distributed_config(fsdp: int, ep: int, save_steps: int = 0,
+                       ep_implementation: str = "auto") -> DistributedConfig | None:
     """
-    The `DistributedConfig` of `--fsdp` / `--ep` (None for a single process or DDP), checked against the launch:
-    sharding needs a distributed launch, and both sizes must use every process (`--ep` alone shards the dense
-    parameters with FSDP2 over all processes, as transformers lays them out). The Trainer cannot checkpoint the
-    optimizer state of a model sharded at load, so `--save-steps` (for `--resume`) is refused with them.
+    The `DistributedConfig` of `--fsdp` / `--ep` / `--ep-implementation` (None for a single process or DDP), checked
+    against the launch: sharding needs a distributed launch, and both sizes must use every process (`--ep` alone
+    shards the dense parameters with FSDP2 over all processes, as transformers lays them out). The Trainer cannot
+    checkpoint the optimizer state of a model sharded at load, so `--save-steps` (for `--resume`) is refused with them.
     """
+    implementations = EPImplementationInterface().valid_keys()
+    if ep_implementation not in implementations:
+        raise ValueError(f"--ep-implementation {ep_implementation!r} is not one of the EP implementations registered "
+                         f"in transformers' EPImplementationInterface: {', '.join(implementations)}")  # fmt: skip
+    if ep_implementation != "auto" and ep == 1:
+        raise ValueError(
+            f"--ep-implementation {ep_implementation} chooses how tokens reach the experts under expert parallelism, "
+            "which this run does not use: add --ep N (N processes sharing the experts), or drop --ep-implementation"
+        )
     world_size = launched_world_size()
     for flag, size in (("--fsdp", fsdp), ("--ep", ep)):
         if size < 1:
@@ -91,7 +91,9 @@ def distributed_config(fsdp: int, ep: int, save_steps: int = 0) -> DistributedCo
             f"--fsdp {fsdp} --ep {ep} does not fit the {world_size} processes of this launch: --fsdp must equal the "
             f"number of processes ({world_size}) and --ep must divide it"
         )
-    return DistributedConfig(fsdp_size=world_size, ep_size=ep) if ep > 1 else DistributedConfig(fsdp_size=fsdp)
+    if ep == 1:
+        return DistributedConfig(fsdp_size=fsdp)
+    return DistributedConfig(fsdp_size=world_size, ep_size=ep, ep_implementation=ep_implementation)
 
 
 def check_shardable(model_class: type[PreTrainedModel], config: PreTrainedConfig, ep: int) -> None:
@@ -147,11 +149,11 @@ def check_same_dtype_everywhere(dtype: torch.dtype) -> None:
 
 
 def load_for_training(model_class: type[PreTrainedModel], folder: str | Path, fsdp: int = 1, ep: int = 1,
-                      save_steps: int = 0, **kwargs) -> PreTrainedModel:
-    """`model_class.from_pretrained(folder, **kwargs)`, sharded as `--fsdp` / `--ep` ask once the launch (and
-    `--save-steps`, see `distributed_config`), the dtype
-    of every process and the model's parameters (`check_shardable`) have been checked."""
-    parallelism = distributed_config(fsdp, ep, save_steps)
+                      save_steps: int = 0, ep_implementation: str = "auto", **kwargs) -> PreTrainedModel:
+    """`model_class.from_pretrained(folder, **kwargs)`, sharded as `--fsdp` / `--ep` / `--ep-implementation` ask once
+    the launch (and `--save-steps`, see `distributed_config`), the dtype of every process and the model's parameters
+    (`check_shardable`) have been checked."""
+    parallelism = distributed_config(fsdp, ep, save_steps, ep_implementation)
     config = model_class.config_class.from_pretrained(folder)
     check_same_dtype_everywhere(kwargs.get("dtype") or config.dtype or torch.get_default_dtype())
     if parallelism is None:

@@ -41,7 +41,6 @@ from .arguments import (
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import (
-    add_distributed_arguments,
     all_gather_with_grad,
     check_enough_examples,
     load_for_training,
@@ -184,8 +183,6 @@ class MoeVieTrainingOptions(TrainerOptions):
     distill_weight: float = 0.5
     freeze_vision_dense_mlp: bool = True
     lora_r: int = 0
-    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
-    ep: int = 1  # expert parallelism over this many processes
 
 
 def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
@@ -228,7 +225,8 @@ def train_moe_vie(
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
-    model = load_for_training(MoeVieModel, folder, options.fsdp, options.ep, options.save_steps)
+    model = load_for_training(MoeVieModel, folder, options.fsdp, options.ep, options.save_steps,
+                              options.ep_implementation)
     processor = MoeVieProcessor.from_pretrained(folder)
     if options.loss_type:
         set_loss_type(model, options.loss_type)
@@ -306,7 +304,6 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--text-column", default="text")
     defaults = MoeVieTrainingOptions()
     add_trainer_arguments(parser, defaults)
-    add_distributed_arguments(parser)
     parser.add_argument("--loss", choices=sorted(CONTRASTIVE_LOSSES), help="switch the model's contrastive loss")
     parser.add_argument("--image-size", type=int, help="resize images to this size (progressive resolution)")
     parser.add_argument("--video", action="store_true",
@@ -321,7 +318,7 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoeVieTrainingOptions(
-        **trainer_options(args), fsdp=args.fsdp, ep=args.ep, loss_type=args.loss, image_size=args.image_size, video=args.video,
+        **trainer_options(args), loss_type=args.loss, image_size=args.image_size, video=args.video,
         num_frames=args.num_frames, distill_weight=args.distill_weight,
         freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r,
     )

@@ -60,7 +60,7 @@ from .arguments import (
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
-from .distributed import add_distributed_arguments, load_for_training, main_process_output_dir, refuse_sharding
+from .distributed import load_for_training, main_process_output_dir, refuse_sharding
 from .plots import plot_log_history
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
@@ -377,11 +377,10 @@ class MoteTrainingOptions(TrainerOptions):
     init_from: str = "shared"
     base_model: str | None = None  # ... with "dense": that model's folder or Hub id (default: `mote_base_model`)
     description: str | None = None  # ... and its description for the route selector
-    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
-    ep: int = 1  # expert parallelism over this many processes (refused: MoTE's task experts are not routed per token)
 
 
-def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, save_steps: int = 0):
+def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, save_steps: int = 0,
+                    ep_implementation: str = "auto"):
     """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder, the model sharded as `--fsdp` / `--ep`
     ask (see `moezoo.training.distributed`)."""
     folder, model_type = model_folder(
@@ -389,7 +388,8 @@ def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, save_step
         other_types="train the text-only Llama-MoTE with TRL's SFTTrainer and TaskIdsCollator",
     )
     model_class, processor_class = TRAINABLE[model_type]
-    return load_for_training(model_class, folder, fsdp, ep, save_steps), processor_class.from_pretrained(folder)
+    model = load_for_training(model_class, folder, fsdp, ep, save_steps, ep_implementation)
+    return model, processor_class.from_pretrained(folder)
 
 
 def load_dense_base(model, path: str | Path | None = None):
@@ -481,7 +481,8 @@ def train_mote(
     if options.add_expert or options.lora_r:
         refuse_sharding(options.fsdp, options.ep, "expert addition and LoRA add trainable modules")
     checkpoint = checkpoint_to_resume(out, options)
-    model, processor = load_mote_model(model_dir, options.fsdp, options.ep, options.save_steps)
+    model, processor = load_mote_model(model_dir, options.fsdp, options.ep, options.save_steps,
+                                        options.ep_implementation)
     if options.add_expert and options.init_from == "dense" and dense_source is None:
         dense_source = load_dense_base(model, options.base_model)
     if options.train_experts:  # before reading the data, so that a misspelt expert fails naming the experts
@@ -553,7 +554,6 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--out", required=True)
     defaults = MoteTrainingOptions()
     add_trainer_arguments(parser, defaults)
-    add_distributed_arguments(parser)
     parser.add_argument("--lora-r", type=int, default=0,
                         help="joint training with LoRA of this rank on attention (the paper's recipe), merged at the "
                              "end; 0 trains the decoder in full")
@@ -575,7 +575,7 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoteTrainingOptions(
-        **trainer_options(args), fsdp=args.fsdp, ep=args.ep, lora_r=args.lora_r, tasks=tuple(args.tasks), train_experts=tuple(args.train_experts),
+        **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), train_experts=tuple(args.train_experts),
         add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)

@@ -50,10 +50,10 @@ from .arguments import (
     loss_summary,
     trainer_options,
     training_arguments,
-    training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
+from .distributed import check_enough_examples, load_for_training, main_process_output_dir, refuse_sharding
 from .plots import plot_log_history
 
 
@@ -331,9 +331,16 @@ class OmniMoeVlTrainingOptions(TrainerOptions):
     router_utility_coef: float = 0.0  # > 0: add L_util with this weight (the paper's 0.35; one more backward a step)
 
 
-def load_omnimoe_vl_model(model_dir: str | Path) -> tuple[OmniMoeVlForConditionalGeneration, OmniMoeVlProcessor]:
+def load_omnimoe_vl_model(
+    model_dir: str | Path, options: TrainerOptions | None = None
+) -> tuple[OmniMoeVlForConditionalGeneration, OmniMoeVlProcessor]:
+    """The model and processor of an OmniMoE-VL folder, the model sharded as `options` ask (`--fsdp`, `--ep`, see
+    `moezoo.training.distributed`)."""
+    options = options or TrainerOptions()
     folder, _ = model_folder(model_dir, "`moezoo train omnimoe_vl`", ["omnimoe_vl"])
-    return OmniMoeVlForConditionalGeneration.from_pretrained(folder), OmniMoeVlProcessor.from_pretrained(folder)
+    model = load_for_training(OmniMoeVlForConditionalGeneration, folder, options.fsdp, options.ep,
+                              options.save_steps, options.ep_implementation)  # fmt: skip
+    return model, OmniMoeVlProcessor.from_pretrained(folder)
 
 
 def train_omnimoe_vl(
@@ -350,9 +357,12 @@ def train_omnimoe_vl(
     stage_pattern(options.stage, options.train_projector)  # a bad stage fails before the loading
     if options.lora_r and options.stage == "I":
         raise ValueError("--lora applies to Stages II-IV: Stage I trains the projector alone, in full")
+    if options.lora_r:
+        refuse_sharding(options.fsdp, options.ep, f"--lora {options.lora_r} adds LoRA adapters")
     checkpoint = checkpoint_to_resume(out, options)
-    model, processor = load_omnimoe_vl_model(model_dir)
     dataset = load_omnimoe_vl_dataset(data)
+    check_enough_examples(len(dataset), options.batch_size)
+    model, processor = load_omnimoe_vl_model(model_dir, options)
     if options.router_utility_coef < 0:
         raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
     if options.router_utility_coef:  # saved with the model: the next stage keeps it
@@ -369,7 +379,7 @@ def train_omnimoe_vl(
               "total": sum(p.numel() for p in trained.parameters())}  # fmt: skip
     collator = OmniMoeVlCollator(processor)
 
-    with training_output_dir(out, overwrite=overwrite) as staging:
+    with main_process_output_dir(out, overwrite=overwrite) as staging:
         trainer = OmniMoeVlTrainer(
             model=trained,
             args=training_arguments(out, options, learning_rate=learning_rate),

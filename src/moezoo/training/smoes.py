@@ -49,10 +49,10 @@ from .arguments import (
     loss_summary,
     trainer_options,
     training_arguments,
-    training_output_dir,
 )
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from .data import load_image_text_dataset
+from .distributed import check_enough_examples, load_for_training, main_process_output_dir, refuse_sharding
 from .plots import plot_log_history
 
 
@@ -255,9 +255,16 @@ class SmoesTrainingOptions(TrainerOptions):
     freeze_routers: bool = False  # only with both SMoES coefficients 0 (statistics-only runs)
 
 
-def load_smoes_model(model_dir: str | Path) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, SmoesQwen3_5MoeProcessor]:
+def load_smoes_model(
+    model_dir: str | Path, options: TrainerOptions | None = None
+) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, SmoesQwen3_5MoeProcessor]:
+    """The model and processor of an SMoES folder, the model sharded as `options` ask (`--fsdp`, `--ep`,
+    `--ep-implementation`, see `moezoo.training.distributed`)."""
+    options = options or TrainerOptions()
     folder, _ = model_folder(model_dir, "`moezoo train smoes`", ["smoes_qwen3_5_moe"])
-    return SmoesQwen3_5MoeForConditionalGeneration.from_pretrained(folder), SmoesQwen3_5MoeProcessor.from_pretrained(folder)
+    model = load_for_training(SmoesQwen3_5MoeForConditionalGeneration, folder, options.fsdp, options.ep,
+                              options.save_steps, options.ep_implementation)  # fmt: skip
+    return model, SmoesQwen3_5MoeProcessor.from_pretrained(folder)
 
 
 def train_smoes(
@@ -271,9 +278,12 @@ def train_smoes(
     loss curves (`training_curves.png`), the per-modality routing heatmap (`routing_by_modality.png`), each MoE
     layer's MSI (`smoes_msi.json`) and a provenance record to `out`. Returns the training summary."""
     options = options or SmoesTrainingOptions()
+    if options.lora_r:
+        refuse_sharding(options.fsdp, options.ep, f"--lora {options.lora_r} adds LoRA adapters")
     checkpoint = checkpoint_to_resume(out, options)
-    model, processor = load_smoes_model(model_dir)
     dataset = load_image_text_dataset(data)
+    check_enough_examples(len(dataset), options.batch_size)
+    model, processor = load_smoes_model(model_dir, options)
     if options.lora_r:
         set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
         trained = with_lora(model, options.lora_r, options.freeze_routers)
@@ -284,7 +294,7 @@ def train_smoes(
               "total": sum(p.numel() for p in trained.parameters())}  # fmt: skip
     collator = SmoesCollator(processor)
 
-    with training_output_dir(out, overwrite=overwrite) as staging:
+    with main_process_output_dir(out, overwrite=overwrite) as staging:
         trainer = SmoesTrainer(
             model=trained,
             args=training_arguments(out, options, learning_rate=options.learning_rate),
