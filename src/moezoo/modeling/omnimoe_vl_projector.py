@@ -111,11 +111,21 @@ def normalised_entropy(weights: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(weights, weights).sum(dim=-1) / math.log(weights.shape[-1])
 
 
+def summed_over_processes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the data-parallel processes (in place), unchanged without torch.distributed."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def depth_balance(route: torch.Tensor, scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """L_bal = S sum_s f_s P_s (Switch style, spec D12): f_s the batch fraction of route slots on depth s (the route
-    actually taken, exploration included), P_s the batch mean of softmax(r / T)_s. 1 when both are uniform."""
-    slots = (route > 0).float()
-    fraction = slots.sum(dim=0) / slots.sum()
+    actually taken, exploration included), P_s the batch mean of softmax(r / T)_s. 1 when both are uniform.
+
+    f_s (no gradient) counts the slots of every data-parallel process, P_s this process's samples: processes holding
+    as many samples each then average to the loss and gradients of one process on the global batch."""
+    slots = summed_over_processes((route > 0).float().sum(dim=0))
+    fraction = slots / slots.sum()
     probability = torch.softmax(scores.float() / temperature, dim=-1).mean(dim=0)
     return route.shape[-1] * (fraction * probability).sum()
 
@@ -267,8 +277,9 @@ class OmniMoeVlDepthRouter(nn.Module):
     In `train()` and while `routing_step < exploration_steps`, z adds the proximal prior, the underuse bonus and
     Gaussian noise to r / T, and each forward updates c; otherwise, and always in `eval()`, z = r / T and nothing
     changes. The noise of a forward comes from a generator seeded by the routing step and the number of forwards
-    already run in that step: every process draws the same noise (spec D30), and a run resumed from a checkpoint
-    (which holds `routing_step`) draws what the uninterrupted run drew.
+    already run in that step: every process draws the same noise (spec D30), that of the global batch (world size x
+    its batch rows), and keeps its own rows, so data-parallel processes route as one process on the global batch;
+    a run resumed from a checkpoint (which holds `routing_step`) draws what the uninterrupted run drew.
     """
 
     def __init__(self, config: OmniMoeVlConfig):
@@ -316,13 +327,16 @@ class OmniMoeVlDepthRouter(nn.Module):
             self._noise_step, self._noise_draws = step, 0
         generator = torch.Generator().manual_seed((step << 20) + self._noise_draws)
         self._noise_draws += 1
-        return torch.randn(shape, generator=generator)
+        rank, world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        rows = shape[0]
+        return torch.randn((world_size * rows, *shape[1:]), generator=generator)[rank * rows : (rank + 1) * rows]
 
     @torch.no_grad()
     def _update_usage(self, route: torch.Tensor) -> None:
-        counts = (route > 0).float().sum(dim=0)  # n_s: samples whose route holds depth s
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)  # every rank keeps the same c, hence routes alike (spec D30)
+        # n_s: samples whose route holds depth s; every rank keeps the same c, hence routes alike (spec D30)
+        counts = summed_over_processes((route > 0).float().sum(dim=0))
         decay = self.config.usage_ema_decay
         self.depth_usage_ema.mul_(decay).add_((1 - decay) * counts)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from .state import sum_over_processes
+
 
 BALANCE_MODES = ("global", "intra_bin")
 
@@ -60,6 +62,10 @@ def bin_balance_loss(
     """The bin-level balance loss of one layer: N_B sum_k sum_{e in bin k} f_e P_e, with f_e the fraction of valid
     tokens whose top-k holds e (sum_e f_e = k, transformers' convention) and P_e the mean gate of e.
 
+    f_e (no gradient) counts the tokens of every data-parallel process (`sum_over_processes`), P_e those of this
+    process: the mean of the processes' losses, and of their gradients, is then the loss of the global batch when the
+    processes hold as many valid tokens each, as in one process.
+
     `"global"` is the paper's formula read literally: it sums over all experts, so it is the Switch loss scaled by
     1 / num_bins (minimum k / num_bins at perfect balance) and keeps the load balanced across bins, hence across
     devices. `"intra_bin"` (an ablation) renormalises f and P inside each bin, balancing within a bin only
@@ -70,9 +76,13 @@ def bin_balance_loss(
     token_weights = valid.reshape(-1).to(gates.dtype)
     num_tokens = token_weights.sum().clamp_min(1)
     top_k = top_k_index.shape[-1]
-    dispatch_fraction = torch.zeros(num_experts, dtype=gates.dtype, device=gates.device).index_add_(
+    # (E + 1,) dispatches per expert and the token count, over all processes
+    dispatches = torch.zeros(num_experts + 1, dtype=gates.dtype, device=gates.device).index_add_(
         0, top_k_index.reshape(-1), token_weights.repeat_interleave(top_k)
-    ) / num_tokens
+    )
+    dispatches[-1] = token_weights.sum()
+    dispatches = sum_over_processes(dispatches)
+    dispatch_fraction = dispatches[:-1] / dispatches[-1].clamp_min(1)
     mean_gate = (gates.reshape(-1, num_experts) * token_weights[:, None]).sum(dim=0) / num_tokens
     if mode == "intra_bin":
         bin_one_hot = F.one_hot(bins, num_bins).to(gates.dtype)  # (E, K)

@@ -1,0 +1,118 @@
+"""`moezoo train omnimoe_vl` and `moezoo train smoes` on two gloo processes: DDP, FSDP2 (`--fsdp 2`) and expert
+parallelism (`--ep 2`, SMoES also with moezoo's `--ep-implementation dedup`) give the logged losses and the final
+weights of one process on the same global batch; LoRA under sharding is refused before loading. Tiny models, two
+steps, one thread per process; the helpers are those of tests/test_distributed_training.py.
+
+Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
+ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME]`.
+"""
+
+import argparse
+import json
+import sys
+
+import pytest
+import torch
+
+from moezoo.training import omnimoe_vl, smoes
+from moezoo.training.smoes_synthetic import write_shape_captions
+from moezoo.zoo import create_from_preset
+
+from safetensors.torch import load_file
+
+from test_distributed_training import (
+    GLOBAL_BATCH,
+    LEARNING_RATE,
+    STEPS,
+    WEIGHT_ATOL,
+    WORLD,
+    assert_same_losses,
+    assert_same_weights,
+    run_processes,
+)
+from test_omnimoe_vl_training import QUESTIONS, image
+
+
+# Answers of one length (3 tokens each), as the captions of `write_shape_captions` (6): the language-model loss, a
+# mean over each process's answer tokens, then averages over the processes to the loss of the global batch.
+ANSWERS = ("red", "yes", "two", "one")
+
+
+def train(arch: str, model, data, out, batch_size: int, stage: str = "I", **sharding) -> dict:
+    """One run of `moezoo train ARCH`, deterministic: fixed data, no dropout, the same seed everywhere."""
+    common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, **sharding)
+    if arch == "omnimoe_vl":
+        options = omnimoe_vl.OmniMoeVlTrainingOptions(**common, stage=stage)
+        return omnimoe_vl.train_omnimoe_vl(model, data, out, options)
+    return smoes.train_smoes(model, data, out, smoes.SmoesTrainingOptions(**common))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("arch", "model", "data", "out"):
+        parser.add_argument(name)
+    parser.add_argument("--stage", default="I")
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--ep-implementation", default="auto")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, fsdp=args.fsdp, ep=args.ep,
+          ep_implementation=args.ep_implementation)
+
+
+def run_distributed(arch: str, folders, out, *flags, check: bool = True):
+    return run_processes(__file__, arch, *folders[arch], out, *flags, nproc=WORLD, timeout=300, check=check)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each architecture's tiny preset (seed 0) and a data file of two global batches."""
+    root = tmp_path_factory.mktemp("vlm")
+    with open(root / "vqa.jsonl", "w") as file:
+        for index in range(STEPS * GLOBAL_BATCH):
+            image(index).save(root / f"{index}.png")
+            file.write(json.dumps({"image": f"{index}.png", "question": QUESTIONS[index % 4],
+                                   "answer": ANSWERS[index % 4]}) + "\n")  # fmt: skip
+    return {
+        "omnimoe_vl": (create_from_preset("tiny-omnimoe_vl", root / "omnimoe_vl", seed=0), root / "vqa.jsonl"),
+        "smoes": (create_from_preset("tiny-smoes", root / "smoes", seed=0),
+                  write_shape_captions(root / "captions", STEPS * GLOBAL_BATCH)),
+    }  # fmt: skip
+
+
+def assert_same_weights_but_rounding(folder, reference, start) -> None:
+    """`assert_same_weights`, but a weight whose gradient is all but zero may move by up to the learning rate per
+    step either way: Adam divides the gradient by its magnitude, so the last bits of a sum taken in another order
+    decide the sign. OmniMoE-VL has such weights (in the projector's streams), a handful: at most 1 in 1000 of the
+    trained elements may differ by more than WEIGHT_ATOL, and none by more than the learning rate per step, while a
+    wrong batch or unsynchronised gradients move nearly all of them."""
+    weights, expected, initial = (load_file(path / "model.safetensors") for path in (folder, reference, start))
+    assert expected.keys() <= weights.keys()
+    outliers = trained = 0
+    for name, tensor in expected.items():
+        difference = (weights[name].float() - tensor.float()).abs()
+        assert difference.max() <= STEPS * LEARNING_RATE * 1.01, name
+        outliers += int((difference > WEIGHT_ATOL).sum())
+        trained += int((tensor != initial[name]).sum())
+    assert trained > 0 and outliers <= trained / 1000, f"{outliers} of {trained} trained elements differ"
+
+
+def check_same_as_one_process(arch: str, folders, tmp_path, *flags, stage: str = "I") -> None:
+    reference = train(arch, *folders[arch], tmp_path / "one", GLOBAL_BATCH, stage)
+    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, *flags)
+    if arch == "omnimoe_vl":
+        assert_same_weights_but_rounding(tmp_path / "many", tmp_path / "one", folders[arch][0])
+    else:
+        assert_same_weights(tmp_path / "many", tmp_path / "one")
+    assert_same_losses(tmp_path / "many", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["omnimoe_vl", "smoes"])
+def test_ddp_trains_as_one_process_on_the_global_batch(arch, folders, tmp_path):
+    check_same_as_one_process(arch, folders, tmp_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
