@@ -30,6 +30,13 @@ def plot_training_curves(
         axis.set_title(name)
         axis.set_xlabel(xlabel)
         axis.grid(alpha=0.3)
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig, path: str | Path, title: str | None = None) -> Path:
+    """Writes a matplotlib figure (with its `title`) to `path` as a PNG file and closes it."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -1,0 +1,583 @@
+"""GRPO over MoEMB's efficiency gates (spec moemb.md §3.13, paper §4.1 and App. E.1), on TRL and transformers' Trainer.
+
+The policy is the per-MoE-layer three-way efficiency head (`mlp.efficiency_head`, logits ROUTE / SKIP / DROP, see
+`moezoo.modeling.moemb_adaptive.gates`): every token alive at a MoE layer draws one action from
+softmax(logits / T_s). Native routing stays greedy; only the heads train, the backbone (LoRA merged) is frozen.
+
+One training step on a batch of B (query, target) pairs:
+
+    with no_grad: E_full = full-compute embeddings of queries and targets (the teacher)
+    with no_grad: G rollouts of both sides, each token and layer drawing its action; their actions, embeddings,
+                  log-probabilities ℓ_i^old and logical FLOPs saving S(a_i) kept
+    R = retrieval reward of each rollout (below); Â = TRL's group advantages over each input's G rollouts
+    for i in 1..G: ℓ_i = mean log π of rollout i's actions, forward re-run with them forced; r_i = exp(ℓ_i − ℓ_i^old)
+                   (−(1/G) · mean over inputs of min(r_i Â_i, clip(r_i, 1 ± ε) Â_i)).backward()
+    optimizer step (AdamW, heads only)
+
+The reward of rollout i of query q_b against the teacher's embeddings of the in-batch targets {t_c} (spec §3.13):
+
+    s⁺ = cos(e_i(q_b), e_full(t_b))
+    s̄⁻ = Σ_{c≠b} w_c cos(e_i(q_b), e_full(t_c)),  w = softmax_c(cos / 0.2)
+    recall = 1[rank of t_b among the in-batch targets ≤ K_r]                   (K_r = G unless set)
+    R = (s⁺ − s̄⁻) + λ_s · recall · S(a_i) + λ_d · cos(e_i(q_b), e_full(q_b))  reward_gate_mode="efficiency_only"
+    R = recall · ((s⁺ − s̄⁻) + λ_s · S(a_i) + λ_d · cos(e_i(q_b), e_full(q_b)))  reward_gate_mode="all"
+
+and symmetrically for the target side against the teacher's query embeddings (A-29). In-batch candidates identical
+to the positive (the same target key) are neither negatives nor ranked above it. Updates are on-policy (one per rollout
+batch), so r_i = 1 up to rounding and the clipping is inactive; the clip ratios are logged under TRL's names anyway.
+
+`trl.GRPOConfig` holds the arguments (`num_generations` = G, `temperature`, `epsilon`, `beta` = 0, `scale_rewards`),
+TRL's group-advantage arithmetic and `nanstd` are reused, and the logged metrics carry TRL's names (`reward`,
+`reward_std`, `frac_reward_zero_std`, `clip_ratio/low_mean`, ...) beside the FLOPs saving and in-batch accuracy.
+TRL's `GRPOTrainer` is not subclassed: it generates and scores text completions, and its per-sample reward functions
+cannot express a batch-level retrieval reward (spec §3.13).
+
+S(a) is the language model's saving (Eq. 6-7 on the realised actions; the vision tower runs in full whatever the
+gates decide). The G rollouts of a batch are sampled in one forward over G copies of it (every sample draws its own
+actions: spec §3.0), queries and targets together, in packed execution (spec §3.14; `execution="masked"` is faster on
+CPU at tiny sizes, with the same actions and log-probabilities).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from transformers import Trainer, TrainingArguments, set_seed
+from trl import GRPOConfig
+from trl.trainer.utils import nanstd
+
+from .. import __version__
+from ..hub.folders import read_provenance, write_provenance
+from ..hub.sources import model_folder
+from ..configuration.moemb_adaptive import EXECUTION_MODES
+from ..modeling.moemb import MoEmbForEmbedding
+from ..modeling.moemb_adaptive.gates import (
+    DROP,
+    SKIP,
+    EfficiencyHead,
+    GateControl,
+    attach_gate_modules,
+    controlled_gates,
+)
+from ..processors.moemb import MoEmbProcessor
+from ..terminal import console
+from .arguments import TrainerOptions, checkpoint_to_resume, training_arguments
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .distributed import check_enough_examples, main_process_output_dir
+from .plots import plot_log_history, save_figure
+
+REWARD_GATE_MODES = ("efficiency_only", "all")
+SCALE_REWARDS = ("group", "batch", "none")
+# The training curves written beside the model: panel title -> logged metric.
+CURVES = {"reward": "reward", "FLOPs saving S(a)": "flops_saving", "in-batch accuracy (rollouts)": "accuracy",
+          "in-batch accuracy (full compute)": "full_compute_accuracy"}  # fmt: skip
+
+
+# --- options ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GrpoOptions(TrainerOptions):
+    """`moezoo train moemb --grpo`: the Trainer's options (spec §3.13's defaults) and the policy's."""
+
+    steps: int = 200
+    batch_size: int = 32  # (query, target) pairs per process: the in-batch candidates of the reward
+    learning_rate: float | None = 5e-5
+    weight_decay: float = 0.0
+    rollouts: int = 8  # G
+    temperature: float = 1.0  # T_s
+    efficiency_weight: float = 1.0  # λ_s
+    distillation_weight: float = 1.0  # λ_d
+    reward_gate_mode: str = "efficiency_only"
+    recall_at: int | None = None  # K_r of the recall gate; None: G
+    negative_temperature: float = 0.2  # of the softmax weighting the negatives
+    epsilon: float = 0.2  # PPO clip range (inactive on-policy)
+    scale_rewards: str = "group"  # TRL's: standardise advantages by the group's std, the batch's, or not at all
+    max_length: int | None = None  # longest input in tokens (default: the processor's)
+    execution: str = "packed"  # of the rollouts (AdaptiveSettings.execution); "masked" is faster on CPU at tiny sizes
+
+    def validate(self) -> None:
+        """Raises a ValueError naming the option (its command-line flag) for values GRPO cannot run with."""
+        if not (isinstance(self.rollouts, int) and self.rollouts >= 2):
+            raise ValueError(
+                f"--rollouts (GrpoOptions.rollouts, GRPO's group size G) must be an integer >= 2, got "
+                f"{self.rollouts!r}: advantages compare each rollout with the other rollouts of its input"
+            )
+        if self.batch_size < 2:
+            raise ValueError(f"--batch-size must be >= 2, got {self.batch_size}: the reward ranks in-batch targets")
+        for flag, value in (("--temperature", self.temperature), ("--negative-temperature", self.negative_temperature)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+        for flag, value in (("--lambda-s", self.efficiency_weight), ("--lambda-d", self.distillation_weight),
+                            ("--epsilon", self.epsilon)):  # fmt: skip
+            if not value >= 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        if self.reward_gate_mode not in REWARD_GATE_MODES:
+            raise ValueError(f"--reward-gate must be one of {REWARD_GATE_MODES}, got {self.reward_gate_mode!r}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"--scale-rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        if self.execution not in EXECUTION_MODES:
+            raise ValueError(f"--rollout-execution must be one of {EXECUTION_MODES}, got {self.execution!r}")
+        if self.recall_at is not None and not (isinstance(self.recall_at, int) and self.recall_at >= 1):
+            raise ValueError(f"--recall-at must be an integer >= 1, got {self.recall_at!r}")
+
+    @property
+    def recall_cutoff(self) -> int:
+        return self.rollouts if self.recall_at is None else self.recall_at
+
+
+def grpo_config(out: str | Path, options: GrpoOptions, **overrides) -> GRPOConfig:
+    """TRL's `GRPOConfig` for a run writing `out`: the Trainer arguments every moezoo command uses
+    (`training_arguments`) and GRPO's. TRL counts its batch in completions; here each of the `batch_size` inputs
+    has `rollouts` of them, so its generation batch is `batch_size × rollouts`."""
+    options.validate()
+    arguments = training_arguments(out, options, **overrides)
+    init_fields = {field.name for field in dataclasses.fields(TrainingArguments) if field.init}
+    return GRPOConfig(
+        **{key: value for key, value in arguments.to_dict().items() if key in init_fields},
+        num_generations=options.rollouts,
+        steps_per_generation=options.rollouts,
+        temperature=options.temperature,
+        epsilon=options.epsilon,
+        beta=0.0,
+        num_iterations=1,
+        scale_rewards=options.scale_rewards,
+    )
+
+
+# --- reward and advantages ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutRewards:
+    """Per rollout and input, `(G, B)` each: the reward and its terms."""
+
+    reward: torch.Tensor
+    positive: torch.Tensor  # s⁺
+    negative: torch.Tensor  # s̄⁻
+    recall: torch.Tensor  # 1[rank ≤ K_r]
+    correct: torch.Tensor  # 1[rank = 1]: the in-batch accuracy
+    distillation: torch.Tensor  # cos(e_i, e_full) of the same input
+    flops_saving: torch.Tensor  # S(a_i)
+
+    @classmethod
+    def cat(cls, parts: list[RolloutRewards]) -> RolloutRewards:
+        """The rewards of several sets of inputs, side by side `(G, N_1 + N_2 + ...)`."""
+        return cls(**{field.name: torch.cat([getattr(part, field.name) for part in parts], dim=1)
+                      for field in dataclasses.fields(cls)})  # fmt: skip
+
+
+def retrieval_rewards(
+    embeddings: torch.Tensor,  # (G, B, d) normalised: the rollouts of one side
+    teacher: torch.Tensor,  # (B, d) the same inputs at full compute
+    candidates: torch.Tensor,  # (B, d) the other side at full compute; candidate b is input b's positive
+    flops_saving: torch.Tensor,  # (G, B) S(a) of every rollout
+    options: GrpoOptions,
+    keys: torch.Tensor | None = None,  # (B,) candidates with the key of input b's positive are not its negatives
+) -> RolloutRewards:
+    """The batch-level retrieval reward of spec §3.13 (see the module docstring)."""
+    embeddings, teacher, candidates = embeddings.float(), teacher.float(), candidates.float()
+    batch = embeddings.shape[1]
+    similarity = embeddings @ candidates.t()  # (G, B, B)
+    positive = similarity.diagonal(dim1=1, dim2=2)  # (G, B)
+    own = torch.eye(batch, dtype=torch.bool, device=similarity.device)
+    duplicate = own if keys is None else keys[:, None] == keys[None, :]
+    negative_logits = (similarity / options.negative_temperature).masked_fill(duplicate, float("-inf"))
+    weights = torch.softmax(negative_logits, dim=-1).nan_to_num(0.0)  # a batch of duplicates has no negative
+    negative = (weights * similarity).sum(-1)
+    rank = 1 + ((similarity > positive[..., None]) & ~duplicate).sum(-1)
+    recall = (rank <= options.recall_cutoff).float()
+    distillation = (embeddings * teacher).sum(-1)
+    separation, efficiency = positive - negative, options.efficiency_weight * flops_saving
+    distilled = options.distillation_weight * distillation
+    if options.reward_gate_mode == "efficiency_only":
+        reward = separation + recall * efficiency + distilled
+    else:
+        reward = recall * (separation + efficiency + distilled)
+    return RolloutRewards(reward, positive, negative, recall, (rank == 1).float(), distillation, flops_saving)
+
+
+def group_advantages(rewards: torch.Tensor, scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's group advantages (`GRPOTrainer._generate_and_score_completions`) of `rewards` `(N, G)`, the G rollouts
+    of each of N inputs: `(r − mean_group) / (std + 1e-4)`, std the group's (`"group"`), the batch's (`"batch"`) or
+    none. Returns the advantages `(N, G)` and each rollout's std (for `frac_reward_zero_std`)."""
+    num_generations = rewards.shape[1]
+    flat = rewards.flatten()  # TRL's layout: the G completions of a prompt are consecutive
+    mean_grouped = torch.nanmean(flat.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    if scale_rewards == "batch":
+        std = nanstd(flat).expand_as(flat)
+    else:
+        std = nanstd(flat.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    advantages = flat - mean_grouped
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return advantages.view_as(rewards), std.view_as(rewards)
+
+
+# --- rollouts -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollouts:
+    """G rollouts of a batch of N inputs: what the reward and the replay need."""
+
+    embeddings: torch.Tensor  # (G, N, d)
+    actions: torch.Tensor  # (G, N, S, L) long, input layout, -1 where no decision was taken
+    log_probs: torch.Tensor  # (G, N) mean log π of each rollout's actions at sampling time (ℓ^old)
+    flops_saving: torch.Tensor  # (G, N) S(a)
+
+    def rate(self, action: int) -> float:
+        """The share of the decisions that took `action` (SKIP or DROP), over every rollout."""
+        decisions = self.actions >= 0
+        return float((self.actions == action).sum() / decisions.sum().clamp(min=1))
+
+
+def mean_log_prob(control: GateControl) -> torch.Tensor:
+    """ℓ = (1/N) Σ_ℓ Σ_t log π(a_tℓ | x_tℓ) per sample, N its number of decisions (spec §3.13, App. E.1)."""
+    record = control.record
+    return record.log_prob_sum / record.decisions.clamp(min=1).to(record.log_prob_sum)
+
+
+def policy_settings(execution: str) -> dict:
+    """The adaptive settings of a rollout: the efficiency heads alone, in `execution` mode; the `GateControl`'s
+    policy (sampled or forced) replaces the greedy one."""
+    return {"efficiency_policy": "greedy", "execution": execution}
+
+
+def repeat_batch(batch: dict, times: int) -> dict:
+    """`times` copies of a processed batch, one after the other: rows, and the pixels of their images and videos
+    (which follow the rows' order), are concatenated."""
+    return {key: torch.cat([value] * times) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+
+@torch.no_grad()
+def sample_rollouts(
+    model, batch: dict, num_rollouts: int, temperature: float, execution: str = "packed",
+    generator: torch.Generator | None = None,
+) -> Rollouts:  # fmt: skip
+    """`num_rollouts` rollouts of every input of `batch`, every token drawing its action at every MoE layer; one
+    forward over `num_rollouts` copies of the batch (each sample's actions are its own, spec §3.0)."""
+    control = GateControl(policy="sample", temperature=temperature, generator=generator)
+    with controlled_gates(model, control):
+        output = model(**repeat_batch(batch, num_rollouts), adaptive=policy_settings(execution))
+    return Rollouts(
+        embeddings=output.embeddings.unflatten(0, (num_rollouts, -1)),
+        actions=control.record.actions.unflatten(0, (num_rollouts, -1)),
+        log_probs=mean_log_prob(control).unflatten(0, (num_rollouts, -1)),
+        flops_saving=output.adaptive.sample_flops_saving.to(output.embeddings).unflatten(0, (num_rollouts, -1)),
+    )
+
+
+def replayed_log_prob(
+    model, batch: dict, actions: torch.Tensor, temperature: float, execution: str = "packed"
+) -> torch.Tensor:
+    """`(N,)` mean log π of `actions` (one rollout's), the forward re-run with them forced; differentiable in the
+    heads."""
+    control = GateControl(policy="forced", actions=actions, temperature=temperature)
+    with controlled_gates(model, control):
+        model(**batch, adaptive=policy_settings(execution))
+    return mean_log_prob(control)
+
+
+def replay(
+    model,
+    batch: dict,
+    rollouts: Rollouts,
+    advantages: torch.Tensor,  # (N, G)
+    args: GRPOConfig,
+    execution: str,
+    backward,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped GRPO objective, one rollout at a time: rollout i's actions are forced, ℓ_i read with gradients,
+    and `backward` called on −(1/G) · mean over inputs of min(r_i Â_i, clip(r_i, 1 ± ε) Â_i) before the next
+    rollout's forward (only one rollout's graph is alive). Returns the summed loss and the ratios r `(N, G)`."""
+    low, high = clip_range(args)
+    total, ratios = torch.zeros((), device=advantages.device), []
+    for i in range(args.num_generations):
+        log_prob = replayed_log_prob(model, batch, rollouts.actions[i], args.temperature, execution)
+        ratio = torch.exp(log_prob - rollouts.log_probs[i])
+        advantage = advantages[:, i]
+        objective = torch.min(ratio * advantage, torch.clamp(ratio, 1 - low, 1 + high) * advantage)
+        loss = -objective.mean() / args.num_generations
+        backward(loss)
+        total += loss.detach()
+        ratios.append(ratio.detach())
+    return total, torch.stack(ratios, dim=1)
+
+
+# --- the trainer --------------------------------------------------------------------------------------------------
+
+
+class GatePolicyGRPOTrainer(LogsStepMeans, Trainer):
+    """GRPO over the efficiency heads (see the module docstring), with a `trl.GRPOConfig` as `args` and the reward's
+    options in `options`. A batch is `{"inputs": <the B queries then their B targets, processed as one batch>,
+    "target_keys": (B,)}` (`GrpoCollator`); the model's parameters other than the efficiency heads must be frozen
+    (`prepare_policy_model`)."""
+
+    def __init__(self, *args, options: GrpoOptions, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, GRPOConfig):
+            raise TypeError(f"GatePolicyGRPOTrainer takes a trl.GRPOConfig as args, got {type(self.args).__name__}")
+        self.options = options
+        self.generator = torch.Generator().manual_seed(self.args.seed)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # No dropout: the replayed forward must see the hidden states the actions were drawn from.
+        model.eval()
+        inputs = self._prepare_inputs(inputs)
+        args, options = self.args, self.options
+        batch, keys = inputs["inputs"], inputs.get("target_keys")
+        pairs = batch["input_ids"].shape[0] // 2  # queries, then their targets
+        with torch.no_grad():
+            teacher = model(**batch, adaptive={}).embeddings
+        rollouts = sample_rollouts(model, batch, args.num_generations, args.temperature, options.execution,
+                                   self.generator)  # fmt: skip
+        # Queries against the teacher's targets, targets against the teacher's queries (spec A-29).
+        queries, targets = slice(0, pairs), slice(pairs, 2 * pairs)
+        rewards = RolloutRewards.cat([
+            retrieval_rewards(rollouts.embeddings[:, own], teacher[own], teacher[other],
+                              rollouts.flops_saving[:, own], options, keys)
+            for own, other in ((queries, targets), (targets, queries))
+        ])  # fmt: skip
+        advantages, std = group_advantages(rewards.reward.t(), args.scale_rewards)  # (2B, G)
+
+        steps = self.current_gradient_accumulation_steps
+        loss, ratio = replay(model, batch, rollouts, advantages, args, options.execution,
+                             lambda loss: self.accelerator.backward(loss / steps))  # fmt: skip
+        self._record_metrics(rewards, std, advantages, ratio, rollouts, teacher[queries], teacher[targets], keys)
+        return loss / steps
+
+    def _record_metrics(self, rewards, std, advantages, ratio, rollouts, queries, targets, keys) -> None:
+        low_epsilon, high_epsilon = clip_range(self.args)
+        record = self.record_step_value
+        reward = rewards.reward
+        record("reward", torch.nanmean(reward))
+        record("reward_std", nanstd(reward.flatten()))
+        record("frac_reward_zero_std", torch.isclose(std, torch.zeros_like(std)).float().mean())
+        low = (ratio < 1 - low_epsilon) & (advantages < 0)
+        high = (ratio > 1 + high_epsilon) & (advantages > 0)
+        record("clip_ratio/low_mean", low.float().mean())
+        record("clip_ratio/high_mean", high.float().mean())
+        record("clip_ratio/region_mean", (low | high).float().mean())
+        for name in ("positive", "negative", "recall", "distillation"):
+            record(f"rewards/{name}", getattr(rewards, name).mean())
+        record("flops_saving", rewards.flops_saving.mean())
+        record("accuracy", rewards.correct.mean())
+        full = (in_batch_accuracy(queries, targets, keys) + in_batch_accuracy(targets, queries, keys)) / 2
+        record("full_compute_accuracy", full)
+        record("skip_rate", reward.new_tensor(rollouts.rate(SKIP)))
+        record("drop_rate", reward.new_tensor(rollouts.rate(DROP)))
+
+
+def clip_range(args: GRPOConfig) -> tuple[float, float]:
+    """(ε_low, ε_high) as TRL reads them: `epsilon_high` defaults to `epsilon`."""
+    return args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
+
+
+def in_batch_accuracy(queries: torch.Tensor, targets: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Share of queries whose own target is the most similar in-batch target (targets with its key count as it)."""
+    similarity = queries.float() @ targets.float().t()
+    best = similarity.argmax(-1)
+    own = torch.arange(len(queries), device=queries.device)
+    hit = best == own if keys is None else keys[best] == keys[own]
+    return hit.float().mean()
+
+
+@dataclass
+class GrpoCollator:
+    """Examples of `load_mmeb_dataset` -> `{"inputs": the B queries then their B targets as one processed batch,
+    "target_keys": (B,)}` (`target_key` of each target: identical targets share it)."""
+
+    processor: MoEmbProcessor
+    max_length: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        from .moemb import target_key
+
+        items = [example["query"] for example in examples] + [example["target"] for example in examples]
+        return {"inputs": self.processor(items, max_length=self.max_length),
+                "target_keys": torch.tensor([target_key(example["target"]) for example in examples])}  # fmt: skip
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+def prepare_policy_model(model: MoEmbForEmbedding) -> list[torch.nn.Module]:
+    """Freezes everything but the efficiency heads and returns them; the model must have them
+    (`MoEmbConfig.gates["efficiency_head"]`)."""
+    heads = [module for module in model.modules() if isinstance(module, EfficiencyHead)]
+    if not heads:
+        raise ValueError(
+            "the model has no efficiency heads: load it with gates={'efficiency_head': 'grpo'} (what "
+            "train_moemb_grpo does), or set MoEmbConfig.gates"
+        )
+    model.requires_grad_(False)
+    for head in heads:
+        head.requires_grad_(True)
+    return heads
+
+
+def load_policy_model(folder: str | Path) -> MoEmbForEmbedding:
+    """The MoEMB model of `folder` with efficiency heads: its own if it has them (a GRPO run continued), else new
+    ones with GRPO's initialisation (W = 0, bias (0, −2.5, −4): spec A-28); the backbone frozen."""
+    model = MoEmbForEmbedding.from_pretrained(folder)
+    config = model.config
+    gates = config.gate_modules()
+    if gates.efficiency_head is None:
+        gates.efficiency_head = "grpo"
+        gates.validate(config.text_config.num_hidden_layers, config.moe_variant)  # e.g. no router to gate
+        config.gates = config.text_config.gates = gates.to_dict()
+        attach_gate_modules(model.model.language_model, config.text_config)
+    prepare_policy_model(model)
+    return model
+
+
+def train_moemb_grpo(
+    model_dir: str | Path,
+    data,
+    out: str | Path,
+    options: GrpoOptions | None = None,
+    image_root: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """GRPO over the efficiency heads of the MoEMB model in `model_dir` (a contrastively trained one, spec §7.3) on
+    `data` (MMEB's training format, see `load_mmeb_dataset`). Saves to `out` the model with its trained heads, run
+    greedily at inference (`adaptive={"efficiency_policy": "greedy"}` in its config), its processor, the curves of
+    reward, FLOPs saving and accuracy (`grpo_curves.png`) and the per-layer skip and drop rates by modality on the
+    first examples (`action_rates.png`). Returns the training record (also in the provenance file)."""
+    from .moemb import load_mmeb_dataset
+
+    options = options or GrpoOptions()
+    options.validate()
+    checkpoint = checkpoint_to_resume(out, options)
+    folder, _ = model_folder(model_dir, "`moezoo train moemb --grpo`", ["moemb"])
+    dataset = load_mmeb_dataset(data, image_root)
+    check_enough_examples(len(dataset), options.batch_size)
+    set_seed(options.seed)
+    model = load_policy_model(folder)
+    processor = MoEmbProcessor.from_pretrained(folder)
+    collator = GrpoCollator(processor, options.max_length)
+
+    with main_process_output_dir(out, overwrite=overwrite) as staging:
+        args = grpo_config(out, options, max_grad_norm=1.0, dataloader_drop_last=True)
+        trainer = GatePolicyGRPOTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                                        callbacks=[LogAtCheckpointsAndEnd()], options=options)  # fmt: skip
+        use_rich_progress(trainer)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        model.config.adaptive = (model.config.adaptive or {}) | {"efficiency_policy": "greedy"}
+        model.save_pretrained(staging)
+        processor.save_pretrained(staging)
+
+        logs = trainer.state.log_history
+        curves = plot_log_history(logs, CURVES, staging / "grpo_curves.png", title="MoEMB: GRPO over efficiency gates")
+        examples = [dataset[i] for i in range(min(16, len(dataset)))]
+        with torch.no_grad():  # the greedy policy the saved config runs
+            inputs = processor([example[side] for side in ("query", "target") for example in examples],
+                               max_length=options.max_length).to(model.device)  # fmt: skip
+            report = model.eval()(**inputs).adaptive
+        rates = plot_action_rates(report, staging / "action_rates.png")
+        trained = [log for log in logs if "reward" in log]
+        training = {
+            "summary": f"GRPO over the efficiency heads for {options.steps} steps, batch {options.batch_size}, "
+                       f"{options.rollouts} rollouts per input, reward gate {options.reward_gate_mode}",
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "rollouts": options.rollouts,
+            "learning_rate": options.learning_rate,
+            "temperature": options.temperature,
+            "efficiency_weight": options.efficiency_weight,
+            "distillation_weight": options.distillation_weight,
+            "reward_gate_mode": options.reward_gate_mode,
+            "recall_at": options.recall_cutoff,
+            **{f"{name}_{when}": round(log[name], 4) for when, log in (("first", trained[0]), ("last", trained[-1]))
+               for name in ("reward", "flops_saving", "accuracy")},  # fmt: skip
+            "greedy_flops_saving": round(report.flops_saving, 4),
+            "examples": len(dataset),
+        }
+        write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
+        console.print(f"wrote {curves.name} and {rates.name}")
+    return training
+
+
+def plot_action_rates(report, path: str | Path, title: str | None = None) -> Path:
+    """The paper's Fig. 9: per layer, the share of each modality's tokens (those present) that skip their routed
+    experts and that are dropped, from a forward's `AdaptiveReport`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..configuration.moemb import TOKEN_MODALITIES
+
+    drop = report.token_drop_rate
+    panels = {"expert skip rate": report.expert_skip_rate - drop, "token drop rate": drop}
+    fig, axes = plt.subplots(1, len(panels), figsize=(9, 3.2), squeeze=False)
+    layers = range(drop.shape[0])
+    for axis, (name, rates) in zip(axes[0], panels.items()):
+        for modality, label in sorted(TOKEN_MODALITIES.items()):
+            if not bool(torch.isnan(rates[:, modality]).all()):
+                axis.plot(layers, rates[:, modality].tolist(), marker="o", label=label)
+        axis.set_title(name)
+        axis.set_xlabel("layer")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    title = title or f"efficiency actions per layer and modality (FLOPs saving {report.flops_saving:.1%})"
+    return save_figure(fig, path, title)
+
+
+def add_grpo_arguments(parser) -> None:
+    """`moezoo train moemb --grpo` and its options (the Trainer's are `moezoo train moemb`'s)."""
+    defaults = GrpoOptions()
+    group = parser.add_argument_group(
+        "GRPO over the efficiency gates (spec §3.13)",
+        "with --grpo, --model is a trained MoEMB (its backbone stays frozen) and only the per-layer efficiency heads "
+        "train; --lr defaults to 5e-5; the LoRA, --recipe, --chunk-size and --negatives options do not apply",
+    )
+    group.add_argument("--grpo", action="store_true",
+                       help="train the efficiency heads (ROUTE / SKIP / DROP per token and MoE layer) with GRPO")
+    group.add_argument("--rollouts", type=int, default=defaults.rollouts, help="G: rollouts per input (>= 2)")
+    group.add_argument("--temperature", type=float, default=defaults.temperature,
+                       help="sampling temperature of the heads")
+    group.add_argument("--lambda-s", type=float, default=defaults.efficiency_weight,
+                       help="weight of the FLOPs-saving reward S(a)")
+    group.add_argument("--lambda-d", type=float, default=defaults.distillation_weight,
+                       help="weight of the distillation reward cos(e_a, e_full)")
+    group.add_argument("--reward-gate", choices=REWARD_GATE_MODES, default=defaults.reward_gate_mode,
+                       help="what the recall@K gate multiplies: the efficiency reward, or the whole reward")
+    group.add_argument("--recall-at", type=int, help="K of the recall gate (default: --rollouts)")
+    group.add_argument("--negative-temperature", type=float, default=defaults.negative_temperature,
+                       help="temperature of the softmax weighting the in-batch negatives")
+    group.add_argument("--scale-rewards", choices=SCALE_REWARDS, default=defaults.scale_rewards,
+                       help="TRL's advantage scaling: by each input's reward std, the batch's, or none")
+    group.add_argument("--rollout-execution", choices=EXECUTION_MODES, default=defaults.execution,
+                       help="packed (spec §3.14, the savings become time) or masked (faster on CPU at tiny sizes)")
+
+
+def run_grpo(args) -> int:
+    """`moezoo train moemb --grpo`."""
+    from ..terminal import print_table
+    from .arguments import trainer_options
+
+    given = {"--chunk-size": args.chunk_size is not None, "--negatives": args.negatives, "--fsdp": args.fsdp != 1,
+             "--ep": args.ep != 1}  # fmt: skip
+    misplaced = [flag for flag, present in given.items() if present]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} do not apply to --grpo, which embeds each side of a batch at once "
+                         "on every process and trains only the efficiency heads")  # fmt: skip
+    common = trainer_options(args) | {"learning_rate": args.lr or GrpoOptions.learning_rate}
+    options = GrpoOptions(
+        **{key: value for key, value in common.items() if key in {f.name for f in dataclasses.fields(GrpoOptions)}},
+        rollouts=args.rollouts, temperature=args.temperature, efficiency_weight=args.lambda_s,
+        distillation_weight=args.lambda_d, reward_gate_mode=args.reward_gate, recall_at=args.recall_at,
+        negative_temperature=args.negative_temperature, scale_rewards=args.scale_rewards, max_length=args.max_length,
+        execution=args.rollout_execution,
+    )  # fmt: skip
+    training = train_moemb_grpo(args.model, args.data, args.out, options, image_root=args.image_root,
+                                overwrite=args.overwrite)  # fmt: skip
+    print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
+    return 0
