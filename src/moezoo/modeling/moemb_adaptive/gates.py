@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
-from ...configuration.moemb_gates import EFFICIENCY_HEAD_INITS
+from ...configuration.moemb_gates import EFFICIENCY_HEAD_INITS, GateModules
 
 
 ROUTE, SKIP, DROP = 0, 1, 2
@@ -130,6 +130,33 @@ class LayerSkipGate(nn.Linear):
             self.bias.fill_(LAYER_SKIP_INIT_BIAS)
 
 
+def attach_gate_modules(text_model: nn.Module, config) -> None:
+    """Creates the modules that `config.gates` (a text config's) asks for and `text_model` (a `MoEmbTextModel`)
+    lacks, on the device and in the dtype of its embeddings: at construction, and when a training recipe adds gates
+    to a loaded model."""
+    gates = GateModules.from_dict(config.gates)
+    hidden = config.hidden_size
+    reference = text_model.embed_tokens.weight
+    new = []
+    for layer in text_model.layers:
+        if gates.efficiency_head is not None and not hasattr(layer.mlp, "efficiency_head"):
+            layer.mlp.efficiency_head = EfficiencyHead(hidden, gates.efficiency_head)
+            new.append(layer.mlp.efficiency_head)
+        if gates.null_experts and not hasattr(layer.mlp, "null_router"):
+            layer.mlp.null_router = NullRouter(hidden, gates.null_experts, gates.null_bias)
+            new.append(layer.mlp.null_router)
+        if gates.layer_skip and layer.layer_idx in gates.skip_blocks(config.num_hidden_layers):
+            if not hasattr(layer, "skip_gate"):
+                layer.skip_gate = LayerSkipGate(hidden)
+                new.append(layer.skip_gate)
+    if gates.token_pruner and not hasattr(text_model, "token_pruner"):
+        text_model.token_pruner = TokenPruner(hidden)
+        new.append(text_model.token_pruner)
+    if reference.device.type != "meta":
+        for module in new:
+            module.to(reference.device, reference.dtype)
+
+
 def init_gate_module(module: nn.Module) -> bool:
     """Initialise `module` if it is one of the gates (transformers' `_init_weights`); returns whether it was one.
     The `transformers.initialization` functions skip tensors loaded from a checkpoint."""
@@ -170,12 +197,19 @@ def straight_through(probability: torch.Tensor) -> torch.Tensor:
 class GateRecord:
     """What a controlled forward's gates did, for the losses and GRPO (filled by the forward)."""
 
+    alive: torch.Tensor | None = None  # (B, S) the real tokens of the input
+    token_segments: torch.Tensor | None = None  # (T,) the sample of each real token (row-major)
+
     actions: torch.Tensor | None = None  # (B, S, L) long, input layout: the efficiency head's actions, -1 = none
     log_prob_sum: torch.Tensor | None = None  # (B,) Σ log π(a) of the actions taken (policy forwards)
     decisions: torch.Tensor | None = None  # (B,) decisions taken per sample (policy forwards)
-    skip_probability: list = field(default_factory=list)  # per MoE layer: (T_l,) p_skip of the candidates
-    keep_probability: torch.Tensor | None = None  # (N_vis,) soft keep probability of the pruner's candidates
-    keep_mask: torch.Tensor | None = None  # (B, S) straight-through keep mask of the pruner (1 for non-candidates)
+    # Per MoE layer, over its routed tokens (row-major): p_skip (0 for the pooled token) and the tokens that decide.
+    skip_probability: list = field(default_factory=list)
+    skip_candidates: list = field(default_factory=list)
+    # The pruner's (B, S): soft keep probability and straight-through keep mask (1 off the candidates), candidates.
+    keep_probability: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None
+    keep_candidates: torch.Tensor | None = None
     layer_skip_probability: dict = field(default_factory=dict)  # block -> (B,) q_l (soft), per sample
     layer_skip_mask: dict = field(default_factory=dict)  # block -> (B,) straight-through skip decision
     joint_router_logits: list = field(default_factory=list)  # per MoE layer: (T_l, E + N_null) for the LB loss

@@ -50,7 +50,9 @@ class TrainedActions:
         batch, length = forward.metadata.alive.shape
         num_segments = int(forward.metadata.segment_id.max()) + 1
         num_layers = forward.config.text_config.num_hidden_layers
-        self.record = self.control.record = GateRecord()
+        self.record = self.control.record = GateRecord(
+            alive=forward.metadata.alive, token_segments=forward.metadata.segment_id[forward.metadata.alive]
+        )
         if self.policy is not None:
             self.record.actions = torch.full((batch, length, num_layers), -1, dtype=torch.long)
             self.record.log_prob_sum = torch.zeros(num_segments, device=forward.metadata.alive.device)
@@ -58,6 +60,11 @@ class TrainedActions:
         self.layer_skipped = torch.zeros((num_segments, num_layers), dtype=torch.float64)
         self.input_segment = forward.metadata.segment_id.cpu()  # (B, S) input layout
         self.router_input = None  # (T, d) the current MoE block's router input, set by a pre-hook
+        if self.train and self.pruner and settings.execution != "masked":
+            raise ValueError(
+                "training the token pruner runs masked (the keep mask acts inside attention and Gated DeltaNet): "
+                "set adaptive.execution='masked'"
+            )
         self.key_keep = None  # (B, S) straight-through keep mask of pruner training, from block n + 1 on
 
     @property
@@ -96,7 +103,8 @@ class TrainedActions:
         if self.skip_gate:
             p_skip = torch.where(candidates, skip_probability(head_logits), 0.0)
             if self.train:  # soft fade h = v + (1 - p_skip) u
-                record.skip_probability.append(p_skip[candidates])
+                record.skip_probability.append(p_skip)
+                record.skip_candidates.append(candidates)
                 return skip, drop, kept, renormalize, 1 - p_skip
             return skip | (candidates & (p_skip > self.forward.settings.skip_threshold)), drop, kept, renormalize, scale
         return (*self._policy_actions(layer_idx, routed, head_logits, candidates, skip, drop), kept, renormalize, scale)
@@ -162,8 +170,9 @@ class TrainedActions:
         if self.train:
             hard, soft = gumbel_keep(logits, self.control.gumbel_temperature, self.control.generator)
             self.key_keep = torch.where(candidates, hard, 1.0).to(hidden_states.dtype)
-            self.record.keep_probability = soft[candidates]
+            self.record.keep_probability = torch.where(candidates, soft, 1.0)
             self.record.keep_mask = self.key_keep
+            self.record.keep_candidates = candidates
             return
         score = (logits[..., 0] - logits[..., 1]).float()
         if forward.settings.pruner_decision == "budget":
@@ -175,7 +184,8 @@ class TrainedActions:
         drop = candidates & ~kept
         if bool(drop.any()):
             rows = torch.arange(drop.shape[0], device=drop.device)[:, None].expand_as(drop)
-            forward.dropped[rows[drop].cpu(), meta.original_index[drop].cpu(), layer_idx] = True
+            where = (rows[drop].cpu(), meta.original_index[drop].cpu(), layer_idx)
+            forward.dropped[where], forward.skipped[where] = True, False  # drop and skip are exclusive
             forward.pending_drop = drop if forward.pending_drop is None else forward.pending_drop | drop
 
     def sample_layer_skip(self, real: torch.Tensor) -> torch.Tensor:
