@@ -163,9 +163,12 @@ def test_settings_that_keep_everything_are_exact(model, inputs):
             dict(top_k="threshold", score_threshold=0.0),
             dict(MODES, modes_thresholds={"text": 0.0, "visual": 0.0}),
         ):
-            out = model(**inputs, adaptive=keep_all)
+            out = model(**inputs, adaptive=dict(keep_all, execution="masked"))
             assert torch.equal(out.last_hidden_state, full.last_hidden_state), keep_all
             assert out.adaptive.flops_saving == 0.0 and out.adaptive.slot_skip_ratio == 0.0
+            packed = model(**inputs, adaptive=keep_all)  # the default: the same to float rounding (one row)
+            torch.testing.assert_close(packed.embeddings, full.embeddings, atol=1e-6, rtol=0)
+            assert packed.adaptive.flops_saving == 0.0
 
 
 def test_modes_with_infinite_thresholds_skips_every_routed_expert(model, inputs):
@@ -189,7 +192,8 @@ def test_gdn_pruning_keeps_the_highest_beta_visual_tokens_of_each_sample(model, 
     captured = {}
     handle = layer.in_proj_b.register_forward_hook(lambda m, i, o: captured.update(beta=torch.sigmoid(o).mean(-1)))
     with torch.no_grad():
-        out = model(**inputs, adaptive=dict(token_pruning="gdn_beta", keep_ratio=0.5))
+        # masked: β captured in the (B, S) layout; packed execution decides the same (tests/test_moemb_packed.py)
+        out = model(**inputs, adaptive=dict(token_pruning="gdn_beta", keep_ratio=0.5, execution="masked"))
     handle.remove()
     real = inputs["attention_mask"].bool()
     dropped = torch.zeros(real.shape, dtype=torch.bool)
@@ -289,16 +293,14 @@ def test_bad_options_name_the_option(settings, message, model, inputs):
         model(**inputs, adaptive=settings)
 
 
-def test_beta_actions_need_gated_deltanet_layers_and_pruning_needs_padded_batches(model):
-    """Packed batches take the expert actions (budgets per segment) but not token pruning (a later packed path)."""
+def test_beta_actions_need_gated_deltanet_layers_and_packed_batches_take_the_actions(model):
+    """Packed batches take every action, budgets per segment (token pruning: tests/test_moemb_packed.py)."""
     config = copy.deepcopy(TINY_MOEMB)
     config["text_config"]["layer_types"] = ["full_attention"] * LAYERS
     with pytest.raises(ValueError, match="β of Gated DeltaNet layers, and this model has none"):
         MoEmbConfig(**config, adaptive=dict(expert_skip="beta_rank"))
     first, second = item(4, (1, 2), 0), item(6, (1, 4), 1)
     packed = {key: torch.cat([first[key], second[key]])[None] for key in first}
-    with pytest.raises(ValueError, match="token_pruning runs on padded batches"):
-        model(**packed, cu_seqlens=torch.tensor([0, 4, 10]), adaptive=ACTIONS["gdn-prune"])
     with torch.no_grad():  # the actions on experts run on packed batches, per segment
         packed_out = model(**packed, cu_seqlens=torch.tensor([0, 4, 10]), adaptive=ACTIONS["beta-rank"])
         padded_out = model(**batch(first, second), adaptive=ACTIONS["beta-rank"])

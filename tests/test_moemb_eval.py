@@ -264,13 +264,21 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
         return json.loads(capsys.readouterr().out)
 
     full = evaluate()
-    assert "adaptive" not in full  # no action: the evaluation as before
+    assert "adaptive" not in full and "table" not in full  # no action: the evaluation as before, and its throughput
+    assert 0 < full["throughput"]["embeddings"] <= 3 + 3 * 4  # queries and candidates, each distinct one once
+    assert full["throughput"]["embeddings_per_second"] == pytest.approx(
+        full["throughput"]["embeddings"] / full["throughput"]["seconds"]
+    )
     keep_all = evaluate("--action", "topk", "--k", str(TINY_MOEMB["text_config"]["num_experts_per_tok"]))
     assert keep_all["tasks"] == full["tasks"] and keep_all["adaptive"]["flops_saving"] == 0.0
+    baseline, action = keep_all["table"]  # full compute, run again as the baseline, and the action
+    assert baseline["actions"] == "full compute" and baseline["speedup"] == 1.0 and baseline["flops_saving"] == 0.0
+    assert action["actions"] == "topk" and action["overall"] == full["overall"]
+    assert action["speedup"] == pytest.approx(action["embeddings_per_second"] / baseline["embeddings_per_second"])
     combined = evaluate("--action", "topk", "gdn-prune", "--k", "2", "--keep", "0.5")
     summary = combined["adaptive"]
     assert summary["settings"] == {"top_k": "uniform", "token_pruning": "gdn_beta", "experts_per_token": 2,
-                                   "keep_ratio": 0.5}  # fmt: skip
+                                   "keep_ratio": 0.5, "execution": "packed"}  # fmt: skip
     assert 0 < summary["flops_saving"] < 1 and summary["slot_skip_ratio"] >= 0.5
     assert summary["logical_gflops"] == pytest.approx((1 - summary["flops_saving"]) * summary["full_gflops"])
 
@@ -282,8 +290,21 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
     calibration.write_text("".join(json.dumps(row) + "\n" for row in rows))
     modes = evaluate("--action", "modes", "--target-skip", "0.3", "--calibration", str(calibration),
                      "--calibration-samples", "4", "--batch-size", "4")  # fmt: skip
-    assert set(modes["adaptive"]["settings"]) == {"top_k", "modes_thresholds", "modes_layer_scales"}
+    assert set(modes["adaptive"]["settings"]) == {"top_k", "modes_thresholds", "modes_layer_scales", "execution"}
     assert modes["adaptive"]["flops_saving"] > 0
+    # The paper's Table 6 in one run: full compute and each --action, accuracy beside FLOPs saving and throughput
+    table = evaluate("--action", "gdn-prune", "--action", "topk", "gdn-prune", "--k", "2")
+    actions = [run.get("adaptive", {}).get("actions") for run in table["runs"]]
+    assert actions == [None, ["gdn-prune"], ["topk", "gdn-prune"]]
+    rows = table["table"]
+    assert [row["actions"] for row in rows] == ["full compute", "gdn-prune", "topk + gdn-prune"]
+    assert [row["overall"] for row in rows] == [run["overall"] for run in table["runs"]]
+    assert rows[2]["flops_saving"] > rows[1]["flops_saving"] > 0
+    assert all(row["embeddings_per_second"] > 0 for row in rows)
+    arguments = ["--model", str(tiny_moemb), "--benchmark", "mmeb", "--data", str(tmp_path), "--action", "topk",
+                 "--k", "2", "--execution", "masked"]  # fmt: skip
+    assert run_eval(parser.parse_args(arguments)) == 0
+    assert "adaptive computation: accuracy, FLOPs and throughput" in capsys.readouterr().out
     bad_options = [
         (["--action", "topk", "modes", "--k", "2"], "--action takes one top_k method, got 'uniform' and 'modes'"),
         (["--action", "modes"], "--action modes needs --target-skip and --calibration"),

@@ -64,6 +64,7 @@ SIZES = {
 IMAGE_SIZES = {"cpu": 224, "tiny": 64, "a3b": 224}
 DEFAULT_SIZE = "cpu"
 INPUT_KINDS = ("text", "image+text")
+MIXED_INPUTS = "mixed"  # image+text and text items alternating (bench moemb --adaptive)
 WORDS = ("a", "photo", "of", "the", "red", "green", "blue", "circle", "square", "moving", "left", "image", "text")
 
 
@@ -106,9 +107,9 @@ def build_models(config: MoEmbConfig, qwen_config: Qwen3_5MoeConfig, seed: int =
 
 def bench_inputs(config: MoEmbConfig, kind: str, batch_size: int, text_tokens: int, image_size: int, seed: int = 0):
     """A processor batch of `batch_size` inputs: random captions of about `text_tokens` words, with an instruction
-    and a random `image_size` px image for "image+text"."""
-    if kind not in INPUT_KINDS:
-        raise ValueError(f"inputs must be one of {', '.join(INPUT_KINDS)}, got {kind!r}")
+    and a random `image_size` px image for "image+text" (every other input for `MIXED_INPUTS`, the first included)."""
+    if kind not in (*INPUT_KINDS, MIXED_INPUTS):
+        raise ValueError(f"inputs must be one of {', '.join(INPUT_KINDS)} or {MIXED_INPUTS}, got {kind!r}")
     # The vocabulary does not matter for speed: a tiny tokenizer works for every size, offline.
     processor = make_moemb_processor(config, tokenizer=tiny_tokenizer_for(config))
     # Exactly image_size x image_size pixels (a multiple of patch x merge): min = max = that area.
@@ -117,9 +118,9 @@ def bench_inputs(config: MoEmbConfig, kind: str, batch_size: int, text_tokens: i
     processor.image_processor.size = {"shortest_edge": area, "longest_edge": area}
     rng = np.random.default_rng(seed + batch_size)
     items = []
-    for _ in range(batch_size):
+    for index in range(batch_size):
         text = " ".join(rng.choice(WORDS, size=int(rng.integers(text_tokens // 2, text_tokens + 1))))
-        if kind == "text":
+        if kind == "text" or (kind == MIXED_INPUTS and index % 2):
             items.append(text)
         else:
             image = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
@@ -247,12 +248,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds-per-case", type=float, default=20.0, help="time budget per kind of input")
     add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="instead: every inference-time adaptive action and budget against full compute on the "
+                             "same weights (packed execution), one batch of image + text and text inputs: "
+                             "embeddings/s, FLOPs saving, ideal and realised speedup, a verdict per target; "
+                             "--seconds-per-case is then the whole timing budget (moezoo.bench.moemb_adaptive)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """`moezoo bench moemb` with the options of `add_bench_arguments`."""
     config, qwen_config = bench_configs(args.size)
     apply_threads(args)
+    if args.adaptive:
+        from .moemb_adaptive import run as run_adaptive  # here: it builds its inputs with this module's functions
+
+        return run_adaptive(args, config, args.image_size or IMAGE_SIZES[args.size])
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moemb", total=len(args.inputs))
         rows = run_moemb_bench(

@@ -14,8 +14,12 @@
   a `category` per query; `query_id`, `corpus_id`, `score`). The summary is the mean over subtasks (categories).
 
 With `--action` (one or several, one per family), the model runs with inference-time adaptive computation (spec
-§3.3-3.9, §3.12: `moezoo.configuration.moemb_adaptive`) and the results report its logical FLOPs saving S(a) over
-every forward of the evaluation beside the scores.
+§3.3-3.9, §3.12: `moezoo.configuration.moemb_adaptive`, packed varlen execution unless `--execution masked`) and the
+results report its logical FLOPs saving S(a) over every forward of the evaluation beside the scores. `--action` may
+be given several times: the evaluation then runs once at full compute and once per `--action`, and one table puts
+each run's overall score, FLOPs saving, embeddings per second and speedup over full compute side by side (the paper's
+Table 6). Every evaluation reports its throughput: the inputs embedded per second of model forward (the processor's
+time left out).
 
 Ranks break ties against the model: a wrong candidate scoring exactly as high as a right one ranks before it, so a
 collapsed model (all embeddings equal) scores 0. Identical inputs are embedded once (MMEB repeats candidates).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -424,19 +429,19 @@ ACTION_OPTIONS = {
 }
 
 
-def adaptive_settings(args: argparse.Namespace, model, processor) -> dict | None:
-    """The adaptive settings the command line asks for, on top of the model's own (a MoEMB folder may store
-    calibrated MoDES settings); None without `--action`. `--target-skip` calibrates MoDES on `--calibration`."""
-    if not args.action:
-        return None
+def action_settings(args: argparse.Namespace, actions: Sequence[str], model, processor) -> dict:
+    """The adaptive settings of one `--action` (its methods, one per family, and the budget options), on top of the
+    model's own (a MoEMB folder may store calibrated MoDES settings). `--target-skip` calibrates MoDES on
+    `--calibration`."""
     settings = {}
-    for action in args.action:
+    for action in actions:
         family, method = ACTIONS[action]
         if family in settings:
             raise ValueError(f"--action takes one {family} method, got {settings[family]!r} and {method!r}")
         settings[family] = method
     settings |= {field: getattr(args, option) for option, field in ACTION_OPTIONS.items()
                  if getattr(args, option) is not None}  # fmt: skip
+    settings["execution"] = args.execution
     if settings.get("top_k") == "modes":
         settings |= modes_settings(args, model, processor)
     check_adaptive_settings(
@@ -467,28 +472,48 @@ def modes_settings(args: argparse.Namespace, model, processor) -> dict:
     return {key: calibrated[key] for key in ("modes_thresholds", "modes_layer_scales")}
 
 
-class FlopsTally:
-    """Sums the logical FLOPs and routed slots of every forward of `model` while the `with` block runs."""
+class ForwardTally:
+    """Sums, over every forward of `model` while the `with` block runs, the inputs embedded and the seconds spent
+    (finished: a GPU is synchronised), and with adaptive computation the logical FLOPs and routed slots."""
 
     def __init__(self, model):
         self.model = model
-        self.flops = self.full_flops = self.routed_slots = self.executed_slots = 0.0
+        self.embeddings = 0
+        self.seconds = self.flops = self.full_flops = self.routed_slots = self.executed_slots = 0.0
 
-    def __enter__(self) -> FlopsTally:
-        self.handle = self.model.register_forward_hook(self._record)
+    def __enter__(self) -> ForwardTally:
+        self.handles = [self.model.register_forward_pre_hook(self._start), self.model.register_forward_hook(self._stop)]
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
-    def _record(self, module, inputs, output) -> None:
+    def _start(self, module, inputs) -> None:
+        self._synchronize()
+        self.started = time.perf_counter()
+
+    def _stop(self, module, inputs, output) -> None:
+        self._synchronize()
+        self.seconds += time.perf_counter() - self.started
+        self.embeddings += output.embeddings.shape[0]
         report = output.adaptive
-        self.flops += report.flops.total
-        self.full_flops += report.full_flops.total
-        self.routed_slots += report.routed_slots
-        self.executed_slots += report.executed_slots
+        if report is not None:
+            self.flops += report.flops.total
+            self.full_flops += report.full_flops.total
+            self.routed_slots += report.routed_slots
+            self.executed_slots += report.executed_slots
+
+    def _synchronize(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def throughput(self) -> dict:
+        return {"embeddings": self.embeddings, "seconds": self.seconds,
+                "embeddings_per_second": self.embeddings / self.seconds}  # fmt: skip
 
     def summary(self) -> dict:
+        """The adaptive computation's logical FLOPs and slots over the forwards."""
         return {
             "flops_saving": 1 - self.flops / self.full_flops,
             "logical_gflops": self.flops / 1e9,
@@ -523,9 +548,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     adaptive = parser.add_argument_group(
         "adaptive computation", "inference-time actions (spec §3); the results add the logical FLOPs saving"
     )
-    adaptive.add_argument("--action", nargs="+", choices=list(ACTIONS), metavar="ACTION",
+    adaptive.add_argument("--action", nargs="+", action="append", choices=list(ACTIONS), metavar="ACTION",
                           help="one per family: token pruning gdn-prune; expert skip beta-skip, beta-threshold, "
-                               "otsu-beta, otsu-logit; top-k topk, modes, threshold (e.g. modes gdn-prune)")
+                               "otsu-beta, otsu-logit; top-k topk, modes, threshold (e.g. modes gdn-prune). Given "
+                               "several times: full compute and each one, compared in one table")
+    adaptive.add_argument("--execution", choices=["packed", "masked"], default="packed",
+                          help="packed: the actions' savings become wall-clock time (spec §3.14); masked: the "
+                               "reference, same embeddings")
     adaptive.add_argument("--keep", type=float, metavar="RHO", help="gdn-prune: share of visual tokens kept (0.5)")
     adaptive.add_argument("--prune-after-layer", type=int, metavar="K",
                           help="gdn-prune: the Gated DeltaNet block whose β ranks the tokens (4)")
@@ -551,28 +580,58 @@ def run_eval(args: argparse.Namespace) -> int:
     model = MoEmbForEmbedding.from_pretrained(folder)
     model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     processor = MoEmbProcessor.from_pretrained(folder)
-    settings = adaptive_settings(args, model, processor)
-    if settings is not None:
-        model.config.adaptive = settings  # what every forward of the evaluation runs with
+    # Full compute first: the baseline of the actions' speedups.
+    runs = [([], None)] + [(actions, action_settings(args, actions, model, processor))
+                           for actions in args.action or []]  # fmt: skip
     options = {"tasks": args.tasks, "limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length}
-    with FlopsTally(model) if settings is not None else nullcontext() as tally:
-        if args.benchmark == "mmeb":
-            results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)
-        else:
-            results = evaluate_mrmr(model, processor, args.data, hit_at_1_categories=args.hit_at_1_categories,
-                                    **options)  # fmt: skip
-    results = {"model": str(args.model), "data": str(args.data), **results}
-    if tally is not None:
-        results["adaptive"] = {"actions": args.action, "settings": settings, **tally.summary()}
+    stored = model.config.adaptive
+    evaluated = []
+    for actions, settings in runs:
+        model.config.adaptive = settings if settings is not None else stored  # what every forward runs with
+        with ForwardTally(model) as tally:
+            if args.benchmark == "mmeb":
+                results = evaluate_mmeb(model, processor, args.data, image_root=args.image_root, **options)
+            else:
+                results = evaluate_mrmr(model, processor, args.data, hit_at_1_categories=args.hit_at_1_categories,
+                                        **options)  # fmt: skip
+        results = {"model": str(args.model), "data": str(args.data), **results, "throughput": tally.throughput()}
+        if settings is not None:
+            results["adaptive"] = {"actions": actions, "settings": settings, **tally.summary()}
+        evaluated.append(results)
+    model.config.adaptive = stored
+    # One --action: its results (the full-compute run only feeds the table); none: the full-compute results.
+    results = evaluated[-1] if len(evaluated) <= 2 else {"runs": evaluated}
+    if len(evaluated) > 1:
+        results["table"] = actions_table(evaluated)
     if args.json:
         print(json.dumps(results, indent=2))
-    else:
-        print_evaluation(results)
-        if tally is not None:
-            summary = results["adaptive"]
+        return 0
+    for run in evaluated if len(evaluated) > 2 else evaluated[-1:]:
+        print_evaluation(run)
+        summary = run.get("adaptive")
+        if summary is not None:
             console.print(
-                f"adaptive computation ({' + '.join(args.action)}): logical FLOPs saving S(a) = "
+                f"adaptive computation ({' + '.join(summary['actions'])}): logical FLOPs saving S(a) = "
                 f"{summary['flops_saving']:.1%} ({summary['logical_gflops']:.4g} of {summary['full_gflops']:.4g} "
                 f"GFLOPs), routed slots skipped {summary['slot_skip_ratio']:.1%}"
             )
+    if len(evaluated) > 1:
+        print_table("adaptive computation: accuracy, FLOPs and throughput",
+                    ["actions", "overall", "FLOPs saving", "embeddings/s", "speedup"],
+                    [[row["actions"], row["overall"], f"{row['flops_saving']:.1%}", row["embeddings_per_second"],
+                      f"{row['speedup']:.2f}×"] for row in results["table"]])  # fmt: skip
     return 0
+
+
+def actions_table(evaluated: list[dict]) -> list[dict]:
+    """One row per run (the first at full compute): overall score, FLOPs saving, embeddings per second and the
+    speedup over the full-compute run's embeddings per second (the paper's Table 6)."""
+    full_speed = evaluated[0]["throughput"]["embeddings_per_second"]
+    rows = []
+    for run in evaluated:
+        adaptive = run.get("adaptive") or {"actions": [], "flops_saving": 0.0}
+        speed = run["throughput"]["embeddings_per_second"]
+        rows.append({"actions": " + ".join(adaptive["actions"]) or "full compute", "overall": run["overall"],
+                     "flops_saving": adaptive["flops_saving"], "embeddings_per_second": speed,
+                     "speedup": speed / full_speed})  # fmt: skip
+    return rows

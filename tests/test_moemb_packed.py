@@ -1,0 +1,166 @@
+"""MoEMB's packed varlen execution of the adaptive forward (spec moemb.md §3.14, §10 C-14/15, D-17): packed equals
+the padded full-compute model when nothing is skipped, and the masked reference for every action (GDN-β pruning
+included, also on batches that come packed with cu_seqlens); the token mixers see each item alone; the routed experts
+run exactly the kept (token, slot) pairs; the bounds are recomputed after tokens leave. GPU kernels (fla,
+flash-attention varlen) are tested in `make gpu-check`."""
+
+import argparse
+import copy
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from moezoo.bench.moemb import MIXED_INPUTS, bench_inputs
+from moezoo.bench.moemb_adaptive import packed_inputs
+from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
+from moezoo.configuration.moemb_adaptive import AdaptiveSettings
+from moezoo.modeling.moemb import PackedSequences
+from moezoo.modeling.moemb_adaptive.packed import PaddedBatch, varlen_mixer
+
+from test_moemb_adaptive import ACTIONS, TOP_K, make_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """Four items of different lengths, two with a 64 px image (16 image tokens) and two text-only, right-padded."""
+    return bench_inputs(MoEmbConfig(**copy.deepcopy(TINY_MOEMB)), MIXED_INPUTS, 4, text_tokens=10, image_size=64)
+
+
+def left_padded(inputs: dict) -> dict:
+    """The same batch, left-padded (the pooled index moved with it)."""
+    mask = inputs["attention_mask"].bool()
+    shift = (~mask).sum(1)
+    order = (torch.arange(mask.shape[1])[None] - shift[:, None]) % mask.shape[1]
+    moved = {key: inputs[key].gather(1, order) for key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    return inputs | moved | {"pooled_index": inputs["pooled_index"] + shift}
+
+
+def test_packed_execution_keeping_everything_equals_the_padded_model(model, inputs):
+    keep_all = dict(top_k="uniform", experts_per_token=TOP_K, execution="packed")
+    with torch.no_grad():
+        full = model(**inputs, adaptive={})
+        packed = model(**inputs, adaptive=keep_all)
+    assert inputs["pixel_values"] is not None and packed.adaptive.flops_saving == 0.0
+    torch.testing.assert_close(packed.embeddings, full.embeddings, atol=1e-5, rtol=0)
+    real = inputs["attention_mask"].bool()  # the output is back in the input's layout
+    torch.testing.assert_close(packed.last_hidden_state[real], full.last_hidden_state[real], atol=1e-5, rtol=0)
+    assert not packed.last_hidden_state[~real].any()
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_every_action_embeds_the_same_packed_and_masked(model, inputs, action):
+    """Exact relation relied on: the masked forward moves each row's surviving tokens to its front, so after GDN-β
+    pruning its Gated DeltaNet convolution sees the same new neighbours as the packed row (both differ, by design,
+    from keeping the dropped tokens in the row: spec A-18)."""
+    with torch.no_grad():
+        for batch in (inputs, left_padded(inputs)):
+            masked = model(**batch, adaptive=dict(ACTIONS[action], execution="masked"))
+            packed = model(**batch, adaptive=dict(ACTIONS[action], execution="packed"))
+            torch.testing.assert_close(packed.embeddings, masked.embeddings, atol=1e-5, rtol=0)
+            assert packed.adaptive.flops == masked.adaptive.flops
+            assert torch.equal(packed.adaptive.decisions.drop, masked.adaptive.decisions.drop)
+    assert 0 < packed.adaptive.flops_saving < 1
+
+
+@pytest.mark.parametrize("execution", ["masked", "packed"])
+def test_token_pruning_takes_packed_batches(model, inputs, execution):
+    settings = dict(ACTIONS["modes+gdn-prune"], execution=execution)
+    with torch.no_grad():
+        padded = model(**inputs, adaptive=dict(settings, execution="masked"))
+        packed = model(**packed_inputs(inputs), adaptive=settings)
+    torch.testing.assert_close(packed.embeddings, padded.embeddings, atol=1e-5, rtol=0)
+    assert packed.adaptive.flops == padded.adaptive.flops and packed.adaptive.decisions.drop.any()
+
+
+def test_dropped_tokens_leave_the_packed_row_and_the_bounds_are_recomputed(model, inputs):
+    """After the pruning layer, every later layer gets the survivors only, each item's run still ending in its pooled
+    token; the experts receive exactly the (token, slot) pairs the report counts as executed."""
+    settings = dict(ACTIONS["modes+gdn-prune"], execution="packed")
+    layers = model.model.language_model.layers
+    rows, pairs = {}, {}
+    handles = [layer.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.__setitem__(module.layer_idx, (args[0].shape[1], kwargs["packed"])),
+        with_kwargs=True) for layer in layers]  # fmt: skip
+    handles += [layer.mlp.experts.register_forward_hook(
+        lambda module, args, output, i=layer.layer_idx: pairs.__setitem__(i, args[0].shape[0])) for layer in layers
+    ]  # fmt: skip
+    try:
+        with torch.no_grad():
+            out = model(**inputs, adaptive=settings)
+    finally:
+        for handle in handles:
+            handle.remove()
+    report, prune_after = out.adaptive, AdaptiveSettings().prune_after_layer  # the default K
+    real = int(inputs["attention_mask"].sum())
+    dropped = report.decisions.drop[:, prune_after].bool()
+    for layer in range(len(layers)):
+        tokens, packed = rows[layer]
+        alive = torch.ones(real, dtype=torch.bool) if layer <= prune_after else ~dropped
+        assert tokens == int(alive.sum())
+        segments = torch.repeat_interleave(torch.arange(4), inputs["attention_mask"].sum(1))[alive]
+        assert packed.cu_seqlens.tolist() == F.pad(torch.bincount(segments).cumsum(0), (1, 0)).tolist()
+        assert packed.max_seqlen == int(torch.bincount(segments).max())
+        executed = report.decisions.experts_per_token[alive, layer] * (1 - report.decisions.drop[alive, layer])
+        assert pairs[layer] == int(executed.sum())  # skipped slots never reach the experts
+    pooled_tokens = PaddedBatch.from_mask(inputs["attention_mask"], inputs["input_ids"].shape, None)
+    assert not dropped[pooled_tokens.packed_index(inputs["pooled_index"])].any()
+
+
+@pytest.mark.parametrize("layer_index", [0, 3])  # a Gated DeltaNet layer and a full-attention one
+def test_token_mixers_see_each_packed_item_alone(model, inputs, layer_index):
+    layer = model.model.language_model.layers[layer_index]
+    lengths = inputs["attention_mask"].sum(1)
+    packed = PackedSequences.from_cu_seqlens(F.pad(lengths.cumsum(0), (1, 0)), int(lengths.sum()))
+    hidden = torch.randn(1, int(lengths.sum()), model.config.text_config.hidden_size,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    positions = torch.cat([torch.arange(int(n)) for n in lengths])[None, None].expand(3, 1, -1)
+    cos, sin = model.model.language_model.rotary_emb(hidden, positions)
+    if layer.layer_type == "linear_attention":
+        def mixer(x, *rotary):
+            return layer.linear_attn(x)
+    else:
+        def mixer(x, cos, sin):
+            mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+            return layer.self_attn(x, position_embeddings=(cos, sin), attention_mask=mask[None, None])[0]
+    with torch.no_grad():
+        together = varlen_mixer(mixer, hidden, packed.padded_layout(), (cos, sin))
+        alone = torch.cat([mixer(hidden[:, a:b], cos[:, a:b], sin[:, a:b]) for a, b in packed.bounds()], dim=1)
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
+
+
+def test_execution_mode_is_checked(model, inputs):
+    with pytest.raises(ValueError, match=r"adaptive.execution='varlen' is not one of \('masked', 'packed'\)"):
+        model(**inputs, adaptive=dict(ACTIONS["top-k"], execution="varlen"))
+
+
+def test_adaptive_bench_prints_every_action_and_valid_json(capsys):
+    """`moezoo bench moemb --adaptive` on the tiny layout (no timing assertion: the machine is shared)."""
+    from moezoo.bench.moemb import add_bench_arguments, bench_configs, run_bench
+    from moezoo.bench.moemb_adaptive import FIXED_ACTIONS, AdaptiveBenchRow, print_adaptive_table
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--adaptive", "--size", "tiny", "--batch-size", "2", "--text-tokens", "8",
+                              "--image-size", "32", "--seconds-per-case", "0.1", "--threads", "1", "--json"])
+    assert run_bench(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = [row["action"] for row in rows]
+    assert names[:2] == ["full (padded)", "full (packed)"] and set(FIXED_ACTIONS) < set(names)
+    assert {"top-k' 2", "top-k' 1", "modes skip 0.5", "modes skip 0.75"} < set(names)
+    assert sum(name.startswith("modes+gdn-beta") for name in names) == 1
+    for row in rows[2:]:
+        assert row["max_abs_diff_vs_masked"] <= 1e-5 and row["met"] in (True, False)
+        assert row["ideal_speedup"] == pytest.approx(1 / (1 - row["flops_saving"]))
+        assert row["share_of_ideal"] == pytest.approx(row["realised_speedup"] / row["ideal_speedup"])
+    assert max(row["realised_speedup"] for row in rows[:2]) == 1.0  # the faster full compute is the reference
+    print_adaptive_table([AdaptiveBenchRow(**row) for row in rows], "tiny", bench_configs("tiny")[0])
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ("full", "gdn-beta", "beta-rank", "otsu-logit", "top-k'", "modes"))
+    assert f"of {len(rows) - 2} targets met" in printed
