@@ -10,15 +10,18 @@ ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME]`.
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers.distributed.expert_parallel import EPImplementationInterface
 
+from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from moezoo.training import omnimoe_vl, smoes
+from moezoo.training.distributed import check_shardable
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
-
-from safetensors.torch import load_file
 
 from test_distributed_training import (
     GLOBAL_BATCH,
@@ -57,8 +60,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ep-implementation", default="auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # the EP implementation the run asked for (transformers' "auto" trains with "all_to_all") must carry its tokens
+    name = "all_to_all" if args.ep_implementation == "auto" else args.ep_implementation
+    implementation, dispatches = EPImplementationInterface()[name], []
+    dispatch = implementation._dispatch_tokens
+
+    def counted_dispatch(self, *dispatch_args):
+        dispatches.append(None)
+        return dispatch(self, *dispatch_args)
+
+    implementation._dispatch_tokens = counted_dispatch
     train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, fsdp=args.fsdp, ep=args.ep,
           ep_implementation=args.ep_implementation)
+    assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
 
 
 def run_distributed(arch: str, folders, out, *flags, check: bool = True):
@@ -112,6 +126,51 @@ def check_same_as_one_process(arch: str, folders, tmp_path, *flags, stage: str =
 @pytest.mark.parametrize("arch", ["omnimoe_vl", "smoes"])
 def test_ddp_trains_as_one_process_on_the_global_batch(arch, folders, tmp_path):
     check_same_as_one_process(arch, folders, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--fsdp", WORLD), ("--ep", WORLD), ("--ep", WORLD, "--ep-implementation", "dedup")],
+                         ids=["fsdp", "ep", "ep-dedup"])
+def test_sharded_smoes_trains_as_one_process(flags, folders, tmp_path):
+    """SMoES trained in full (routers included): FSDP2 shards every layer; EP gives each process half of every
+    layer's experts, reached by transformers' all-to-all or by moezoo's dedup EP (one copy of a token per process
+    holding any of its experts)."""
+    check_same_as_one_process("smoes", folders, tmp_path, *map(str, flags))
+
+
+@pytest.mark.parametrize("arch", ["omnimoe_vl", "smoes"])
+def test_lora_under_sharding_is_refused_before_loading(arch, folders, tmp_path, monkeypatch):
+    """LoRA adds its adapters after transformers has sharded the model in `from_pretrained`: they would be neither
+    sharded nor synchronised. Trained in full, the same run shards (SMoES above)."""
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the refusal comes before any collective
+    options = dict(steps=1, batch_size=1, fsdp=WORLD, lora_r=2)
+    with pytest.raises(ValueError, match="--fsdp / --ep shard the model while it loads, and --lora 2 adds LoRA "
+                                         "adapters after that; train this recipe with plain DDP"):  # fmt: skip
+        if arch == "omnimoe_vl":
+            omnimoe_vl.train_omnimoe_vl(*folders[arch], tmp_path / "out",
+                                        omnimoe_vl.OmniMoeVlTrainingOptions(**options, stage="II"))
+        else:
+            smoes.train_smoes(*folders[arch], tmp_path / "out", smoes.SmoesTrainingOptions(**options))
+    assert not (tmp_path / "out").exists()
+
+
+def test_omnimoe_vl_sharding_is_refused_for_its_0d_parameter(folders):
+    """FSDP2 shards every parameter on dim 0: the projector's scalar `fusion_output_scale` keeps OmniMoE-VL on DDP."""
+    config = OmniMoeVlForConditionalGeneration.config_class.from_pretrained(folders["omnimoe_vl"][0])
+    for ep in (1, WORLD):
+        with pytest.raises(ValueError, match=r"0-d parameters \(model.projector.fusion_output_scale\), which FSDP2 "
+                                             "cannot shard; train it with plain DDP"):  # fmt: skip
+            check_shardable(OmniMoeVlForConditionalGeneration, config, ep)
+
+
+def test_an_ep_implementation_without_ep_is_refused(folders, tmp_path):
+    options = smoes.SmoesTrainingOptions(steps=1, batch_size=1, ep_implementation="dedup")
+    with pytest.raises(ValueError, match="--ep-implementation dedup chooses how tokens reach the experts under expert "
+                                         "parallelism, which this run does not use: add --ep N"):  # fmt: skip
+        smoes.train_smoes(*folders["smoes"], tmp_path / "out", options)
+    with pytest.raises(ValueError, match="--ep-implementation 'nope' is not one of .*: auto, all_to_all, .*dedup"):
+        smoes.train_smoes(*folders["smoes"], tmp_path / "out", replace(options, ep=WORLD, ep_implementation="nope"))
+    assert not (tmp_path / "out").exists()
 
 
 if __name__ == "__main__":
