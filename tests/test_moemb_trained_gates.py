@@ -14,6 +14,7 @@ import torch
 
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_gates import GateModules
+from moezoo.hub.export import export_folder
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.modeling.moemb_adaptive.gates import (
     GateControl,
@@ -23,11 +24,13 @@ from moezoo.modeling.moemb_adaptive.gates import (
 )
 from moezoo.modeling.moemb_adaptive.trained import masked_attention, masked_gated_delta_net
 from moezoo.modeling.moemb_flops import TokenLayerFlops
+from moezoo.processors.moemb import MoEmbProcessor
 from moezoo.training.moemb import add_train_arguments, run_train
 from moezoo.training.moemb_adaptive import RECIPES, AdaptiveRecipeOptions, GateTraining
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 import test_moemb_adaptive as adaptive_tests
+from conftest import run_python
 from test_moemb_adaptive import batch, item
 
 
@@ -337,3 +340,28 @@ def test_bad_gates_and_missing_modules_name_the_option(base, inputs):
     with pytest.raises(ValueError, match="training the token pruner runs masked"):
         with controlled_gates(model, GateControl(train=True)):
             model(**inputs, adaptive={"token_pruning": "learned", "execution": "packed"})
+
+
+def test_an_exported_folder_with_trained_gates_honours_them_without_moezoo(randomised, tiny_moemb, tmp_path):
+    created, exported = tmp_path / "created", tmp_path / "exported"
+    model = copy.deepcopy(randomised)
+    model.config.adaptive = {"efficiency_policy": "greedy", "top_k": "null_experts", "layer_skip": "learned",
+                             "token_pruning": "learned"}  # fmt: skip
+    model.save_pretrained(created)
+    MoEmbProcessor.from_pretrained(tiny_moemb).save_pretrained(created)
+    export_folder(created, exported)
+    inputs = batch(*ITEMS)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        expected = model(**inputs)
+    assert expected.adaptive.flops_saving > 0
+    torch.save(expected.embeddings, tmp_path / "expected.pt")
+    run_python(f"""
+        import torch, transformers
+        model = transformers.AutoModel.from_pretrained({str(exported)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules")
+        with torch.no_grad():
+            out = model(**torch.load({str(tmp_path / "inputs.pt")!r}))
+        torch.testing.assert_close(out.embeddings, torch.load({str(tmp_path / "expected.pt")!r}), atol=1e-6, rtol=0)
+        assert round(out.adaptive.flops_saving, 9) == {round(expected.adaptive.flops_saving, 9)}
+    """, without_moezoo=True)
