@@ -4,8 +4,10 @@ the bin-aligned export permutation (E4), and real expert parallelism on gloo pro
 The gloo tests run transformers' `all_to_all` EP and moezoo's `dedup` EP on a tiny Qwen3-MoE against the same model in
 one process. Each rank checks its loss and gradients, the rows each layer sends to every rank (the analytic counts
 from the reference's own routing: (token, expert) pairs per owner rank for `all_to_all`, tokens per rank hosting any
-of their experts for `dedup`), and the bytes of token rows its all-to-alls actually sent to other ranks. Run by
-pytest, the module launches itself under torchrun; each process runs `check_expert_parallel` below.
+of their experts for `dedup`), and the bytes of token rows its all-to-alls actually sent to other ranks. The dedup EP
+also runs under tensor parallelism (`tp_size=2`: its TP branch, where the ranks sharing a batch split its tokens).
+Run by pytest, the module launches itself under torchrun; each process runs `check_expert_parallel` (or
+`check_tensor_parallel`, `check_zoo_experts`) below.
 """
 
 import copy
@@ -105,6 +107,44 @@ def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) 
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"bytes_sent": traffic.bytes_sent}))
     dist.destroy_process_group()
 
+
+
+def check_tensor_parallel(model_dir: str) -> None:
+    """`DedupAllToAllEP` under tensor parallelism (`tp_size=2, ep_size=2`): both ranks hold the same batch, each
+    dispatches its slice of the tokens (15 tokens: uneven slices) and gathers the outputs back over the TP group; the
+    loss and every gradient (gathered) equal one process."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import moezoo.modeling.moe.expert_parallel as moezoo_ep
+
+    torch.set_num_threads(1)
+    input_ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(0))
+    reference = Qwen3MoeForCausalLM.from_pretrained(model_dir, experts_implementation="eager")
+    reference_loss = reference(input_ids=input_ids, labels=input_ids).loss
+    reference_loss.backward()
+
+    tp_sizes = []
+    dispatch = moezoo_ep.DedupAllToAllEP._dispatch_tokens
+
+    def recording_dispatch(self, *args):
+        tp_sizes.append(self.tp_mesh.size())
+        return dispatch(self, *args)
+
+    moezoo_ep.DedupAllToAllEP._dispatch_tokens = recording_dispatch
+    config = DistributedConfig(tp_size=2, ep_size=2, ep_implementation="dedup")
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, distributed_config=config, experts_implementation="eager")
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    assert tp_sizes == [2] * MODEL_CONFIG["num_hidden_layers"]  # every MoE layer took the TP branch
+    torch.testing.assert_close(loss, reference_loss, atol=1e-5, rtol=0)
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        torch.testing.assert_close(grad, reference.get_parameter(name).grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")  # fmt: skip
+    dist.destroy_process_group()
 
 
 def check_zoo_experts(implementation: str, routing: str) -> None:
@@ -318,8 +358,15 @@ def test_dedup_ep_runs_the_zoo_experts(tmp_path):
     run_processes(2, "zoo-experts", "eager", "first-rank")
 
 
+@pytest.mark.slow
+def test_dedup_ep_under_tensor_parallelism_matches_one_process(model_dir):
+    run_processes(2, "tensor-parallel", model_dir)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "zoo-experts":
         check_zoo_experts(*sys.argv[2:])
+    elif sys.argv[1] == "tensor-parallel":
+        check_tensor_parallel(*sys.argv[2:])
     else:
         check_expert_parallel(*sys.argv[1:])
