@@ -8,6 +8,7 @@ and bad options are named."""
 import argparse
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ from moezoo.modeling.moemb_adaptive.gates import (
     null_expert_slots,
 )
 from moezoo.modeling.moemb_adaptive.trained import masked_attention, masked_gated_delta_net
-from moezoo.modeling.moemb_flops import TokenLayerFlops
+from moezoo.modeling.moemb_flops import TokenDecisions, TokenLayerFlops, logical_flops
 from moezoo.processors.moemb import MoEmbProcessor
 from moezoo.training.moemb import add_train_arguments, run_train
-from moezoo.training.moemb_adaptive import RECIPES, AdaptiveRecipeOptions, GateTraining
+from moezoo.training.moemb_adaptive import RECIPES, AdaptiveRecipeOptions, GateRecipeTrainer, GateTraining
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 import test_moemb_adaptive as adaptive_tests
@@ -365,3 +366,42 @@ def test_an_exported_folder_with_trained_gates_honours_them_without_moezoo(rando
         torch.testing.assert_close(out.embeddings, torch.load({str(tmp_path / "expected.pt")!r}), atol=1e-6, rtol=0)
         assert round(out.adaptive.flops_saving, 9) == {round(expected.adaptive.flops_saving, 9)}
     """, without_moezoo=True)
+
+
+def test_expected_flops_of_the_global_budget_follow_the_flops_model(inputs):
+    """The differentiable E[FLOPs] / FLOPs_full of `combined_global` equals the logical FLOPs model (attention's
+    context term aside) on the same skip and layer-skip probabilities."""
+    model, training = recipe_model("combined_global")
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            layer.mlp.efficiency_head.bias.copy_(torch.tensor([0.0, 0.3, float("-inf")]))
+        model.model.language_model.layers[4].skip_gate.bias.fill_(0.5)
+    _, record = training.embed(model.train(), inputs, step=0, total=1)
+    record.keep_probability = torch.ones_like(record.keep_probability)  # the pruner aside: its own test above
+    ratio = training.expected_flops_ratio(record)
+    skip = torch.stack(record.skip_probability).t().detach()
+    bypassed = torch.zeros_like(skip)
+    for layer, q in record.layer_skip_probability.items():
+        bypassed[:, layer] = q.detach()[record.token_segments]
+    cu_seqlens = torch.nn.functional.pad(inputs["attention_mask"].sum(1).cumsum(0), (1, 0))
+    adaptive = logical_flops(model.config, cu_seqlens, TokenDecisions(skip=skip.double(), layer_skip=bypassed.double()))
+    full = logical_flops(model.config, cu_seqlens)
+    expected = (adaptive.total - adaptive.attention_context) / (full.total - full.attention_context)
+    assert 0 < float(ratio) < 1 and float(ratio) == pytest.approx(expected, rel=1e-5)
+
+
+def test_alternating_and_sequential_schedules_pick_the_gate_that_trains():
+    training = GateTraining(AdaptiveRecipeOptions(recipe="combined_sequential", drop_target=0.5, skip_target=0.2))
+    trainer = SimpleNamespace(gate_training=training, sequential_stage=0, state=SimpleNamespace(global_step=4))
+    assert GateRecipeTrainer.active_actions(trainer) == ("drop",)
+    GateRecipeTrainer.advance_sequence(trainer, {"rate/token_drop": 0.4})
+    assert GateRecipeTrainer.active_actions(trainer) == ("drop",)
+    GateRecipeTrainer.advance_sequence(trainer, {"rate/token_drop": 0.55})
+    assert GateRecipeTrainer.active_actions(trainer) == ("skip",)
+    GateRecipeTrainer.advance_sequence(trainer, {"rate/expert_skip": 0.25})
+    assert GateRecipeTrainer.active_actions(trainer) == ("layer",)
+    trainer.gate_training = GateTraining(AdaptiveRecipeOptions(recipe="combined_alternating"))
+    steps = [GateRecipeTrainer.active_actions(SimpleNamespace(gate_training=trainer.gate_training,
+                                                               state=SimpleNamespace(global_step=step)))
+             for step in range(4)]  # fmt: skip
+    assert steps == [("drop",), ("skip",), ("layer",), ("drop",)]

@@ -243,7 +243,8 @@ class GateTraining:
             weight = 0.5 if weight is None else weight
             return (progress >= options.budget_warmup) * weight * (rates["soft/keep"] - options.keep_target).abs()
         if budget == "skip_linear":
-            ramp = (progress - options.budget_warmup) / options.budget_ramp if options.budget_ramp else 1.0
+            late = progress - options.budget_warmup
+            ramp = late / options.budget_ramp if options.budget_ramp else float(late >= 0)
             weight = (0.02 if weight is None else weight) * min(1.0, max(0.0, ramp))
             return weight * (1 - rates["soft/skip"])
         if budget == "load_balance":
