@@ -19,6 +19,7 @@ from transformers.distributed.expert_parallel import EPImplementationInterface
 
 from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from moezoo.training import omnimoe_vl, smoes
+from moezoo.training.arguments import trainer_options
 from moezoo.training.distributed import check_shardable
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
@@ -172,6 +173,18 @@ def test_an_ep_implementation_without_ep_is_refused(folders, tmp_path):
         smoes.train_smoes(*folders["smoes"], tmp_path / "out", replace(options, ep=WORLD, ep_implementation="nope"))
     assert not (tmp_path / "out").exists()
 
+
+@pytest.mark.parametrize(("module", "options_class"), [(omnimoe_vl, omnimoe_vl.OmniMoeVlTrainingOptions),
+                                                      (smoes, smoes.SmoesTrainingOptions)])
+def test_the_sharding_flags_reach_the_options(module, options_class):
+    parser = argparse.ArgumentParser()
+    module.add_train_arguments(parser)
+    required = ["--model", "m", "--data", "d", "--out", "o"]
+    args = parser.parse_args([*required, "--fsdp", "2", "--ep", "2", "--ep-implementation", "dedup"])
+    options = options_class(**trainer_options(args))
+    assert (options.fsdp, options.ep, options.ep_implementation) == (2, 2, "dedup")
+    with pytest.raises(SystemExit):  # argparse: not a registered EP implementation
+        parser.parse_args([*required, "--ep-implementation", "nope"])
 
 if __name__ == "__main__":
     main(sys.argv[1:])
