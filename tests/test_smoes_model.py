@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-import moezoo.modeling.smoes.qwen3_5_moe as smoes_qwen3_5_moe
+import moezoo.modeling.smoes.common as smoes_common
 from moezoo.configuration.smoes import SmoesQwen3_5MoeConfig, SmoesQwen3_5MoeTextConfig
 from moezoo.modeling.moe.smoes import TEXT, VISION, contiguous_bins, one_hot_scores
 from moezoo.modeling.smoes import SmoesQwen3_5MoeForConditionalGeneration
@@ -161,8 +161,8 @@ def recorded_scores(model, inputs, monkeypatch) -> dict[int, torch.Tensor]:
         recorded.update({position: runtime.layer_scores[state] for position, state in enumerate(states)})
         return apply_smoes(config, states, runtime, *args, **kwargs)
 
-    apply_smoes = smoes_qwen3_5_moe.apply_smoes
-    monkeypatch.setattr(smoes_qwen3_5_moe, "apply_smoes", keep_scores)
+    apply_smoes = smoes_common.apply_smoes
+    monkeypatch.setattr(smoes_common, "apply_smoes", keep_scores)
     model.train()(**inputs)
     monkeypatch.undo()
     return recorded

@@ -1,8 +1,9 @@
-"""SMoES configuration (spec smoes.md §4): the `smoes_*` fields, reusable by any MoE host, and the Qwen3.5-MoE host.
+"""SMoES configuration (spec smoes.md §4): the `smoes_*` fields, reusable by any MoE host, and the Qwen3.5-MoE and
+Qwen3-VL-MoE hosts.
 
 `SmoesConfigMixin` declares and validates the fields; a host's (text) config inherits it before its base config and
 calls `validate_smoes_fields` with what only the host knows (its expert-count field, its softmax-attention layers,
-its router). The Qwen3.5-MoE host keeps every field of transformers' `Qwen3_5MoeConfig` as it is, so a Qwen3.5-MoE
+its router). Each host keeps every field of its transformers config as it is, so a Qwen3.5-MoE or Qwen3-VL-MoE
 `config.json` plus `smoes_*` fields is an SMoES config.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeConfig, Qwen3VLMoeTextConfig
 
 from ..modeling.moe.smoes.bins import BINNING_TYPES
 from ..modeling.moe.smoes.losses import BALANCE_MODES
@@ -158,15 +160,46 @@ class SmoesQwen3_5MoeTextConfig(SmoesConfigMixin, Qwen3_5MoeTextConfig):
         )
 
 
-class SmoesQwen3_5MoeConfig(Qwen3_5MoeConfig):
+class SmoesHostConfigMixin:
+    """The top-level config of a vision-language host whose `text_config` is the SMoES text config: the text config of
+    the base model's `config.json` (its own `model_type`, plus `smoes_*` fields) is read and saved as the SMoES one.
+    Placed before the transformers config class, whose `sub_configs_defaults["text_config"]` the host replaces."""
+
+    def __post_init__(self, **kwargs):
+        # The text config classes of the host and of its transformers config (the class after this mixin).
+        smoes_text_config = self.sub_configs_defaults["text_config"].config_class
+        base_text_config = super(SmoesHostConfigMixin, self).sub_configs_defaults["text_config"].config_class
+        if isinstance(self.text_config, dict) and self.text_config.get("model_type") == base_text_config.model_type:
+            self.text_config = {**self.text_config, "model_type": smoes_text_config.model_type}
+        super().__post_init__(**kwargs)
+
+
+class SmoesQwen3_5MoeConfig(SmoesHostConfigMixin, Qwen3_5MoeConfig):
     r"""transformers' `Qwen3_5MoeConfig` whose `text_config` is a `SmoesQwen3_5MoeTextConfig` (the SMoES fields live
     on the text config, beside the MoE fields they refer to)."""
 
     model_type = "smoes_qwen3_5_moe"
     sub_configs_defaults = {**Qwen3_5MoeConfig.sub_configs_defaults, "text_config": SmoesQwen3_5MoeTextConfig}
 
+
+class SmoesQwen3VLMoeTextConfig(SmoesConfigMixin, Qwen3VLMoeTextConfig):
+    r"""transformers' `Qwen3VLMoeTextConfig` plus the `smoes_*` fields of `SmoesConfigMixin`. Every layer is softmax
+    attention, so the paper's attention-accumulated score applies exactly and is the default (spec §1.3); the layers of
+    `mlp_only_layers` (or off `decoder_sparse_step`) have a dense MLP and no SMoES state, but advance the scores."""
+
+    model_type = "smoes_qwen3_vl_moe_text"
+    smoes_score_type: str = "attention"
+    # Qwen3-VL-30B-A3B's expert count: transformers' default (60) is not divided by the paper's 8 bins, and saving a
+    # config builds the default one to write only what differs from it.
+    num_experts: int = 128
+
     def __post_init__(self, **kwargs):
-        if isinstance(self.text_config, dict) and self.text_config.get("model_type") == Qwen3_5MoeTextConfig.model_type:
-            # The text config of a Qwen3.5-MoE config.json (plus smoes_* fields) is saved as the SMoES one.
-            self.text_config = {**self.text_config, "model_type": SmoesQwen3_5MoeTextConfig.model_type}
         super().__post_init__(**kwargs)
+        self.validate_smoes_fields(num_experts_field="num_experts", softmax_attention_layers=self.num_hidden_layers)
+
+
+class SmoesQwen3VLMoeConfig(SmoesHostConfigMixin, Qwen3VLMoeConfig):
+    r"""transformers' `Qwen3VLMoeConfig` whose `text_config` is a `SmoesQwen3VLMoeTextConfig`."""
+
+    model_type = "smoes_qwen3_vl_moe"
+    sub_configs_defaults = {**Qwen3VLMoeConfig.sub_configs_defaults, "text_config": SmoesQwen3VLMoeTextConfig}

@@ -1,5 +1,5 @@
 """Training an SMoES model with `transformers.Trainer` (spec smoes.md §6: a stage-2-style fine-tuning of a Qwen3.5-MoE
-VLM with SMoES on).
+or Qwen3-VL-MoE VLM with SMoES on).
 
 - The objective lives in the model: in a training forward its `loss` is the language-model loss plus
   `smoes_bal_coef * smoes_bal_loss + alpha_MI * smoes_mi_loss`, which replace the base load-balancing loss.
@@ -38,8 +38,9 @@ from ..modeling.moe.smoes.metrics import modality_specialisation_index
 from ..modeling.moe.smoes.regularizer import check_routers_trainable
 from ..modeling.moe.smoes.scores import hard_modality
 from ..modeling.moe.statistics import RoutingStatistics, plot_routing_heatmap
-from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
+from ..modeling.smoes.common import SmoesForConditionalGenerationMixin
 from ..processors.smoes import SmoesQwen3_5MoeProcessor
+from ..registry import architectures_named, get_architecture
 from ..terminal import console, print_table
 from .arguments import (
     TrainerOptions,
@@ -67,11 +68,11 @@ IGNORE_INDEX = -100
 # --- what trains ----------------------------------------------------------------------------------------------------
 
 
-def router_weights(model: SmoesQwen3_5MoeForConditionalGeneration) -> dict[str, nn.Parameter]:
+def router_weights(model: SmoesForConditionalGenerationMixin) -> dict[str, nn.Parameter]:
     return {name: parameter for name, parameter in model.named_parameters() if name.endswith(ROUTER)}
 
 
-def set_trainable(model: SmoesQwen3_5MoeForConditionalGeneration, freeze_routers: bool = False) -> list[str]:
+def set_trainable(model: SmoesForConditionalGenerationMixin, freeze_routers: bool = False) -> list[str]:
     """Train the language model (routers included unless `freeze_routers`), freeze the vision tower; refuse frozen
     routers while an SMoES coefficient is non-zero. Returns the trainable parameters' names."""
     trainable = []
@@ -122,7 +123,7 @@ class SmoesLoraModel(PeftModelWithTrainedBase):
 
 
 def with_lora(
-    model: SmoesQwen3_5MoeForConditionalGeneration, rank: int, freeze_routers: bool = False
+    model: SmoesForConditionalGenerationMixin, rank: int, freeze_routers: bool = False
 ) -> SmoesLoraModel:
     """LoRA (alpha = 2 r) on the language model's attention projections and fused experts; the routers train in full
     beside the adapters (unless `freeze_routers`); everything else is frozen."""
@@ -198,7 +199,7 @@ class SmoesTrainer(SmoesLoss, Trainer):
 
 @torch.no_grad()
 def routing_by_modality(
-    model: SmoesQwen3_5MoeForConditionalGeneration, dataset, collator: SmoesCollator, batch_size: int = 8,
+    model: SmoesForConditionalGenerationMixin, dataset, collator: SmoesCollator, batch_size: int = 8,
     num_examples: int = 64,
 ) -> tuple[RoutingStatistics, list[float]]:
     """In eval mode, over the first `num_examples` examples: the top-k dispatches of each MoE layer by hard modality
@@ -257,12 +258,13 @@ class SmoesTrainingOptions(TrainerOptions):
 
 def load_smoes_model(
     model_dir: str | Path, options: TrainerOptions | None = None
-) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, SmoesQwen3_5MoeProcessor]:
+) -> tuple[SmoesForConditionalGenerationMixin, SmoesQwen3_5MoeProcessor]:
     """The model and processor of an SMoES folder, the model sharded as `options` ask (`--fsdp`, `--ep`,
     `--ep-implementation`, see `moezoo.training.distributed`)."""
     options = options or TrainerOptions()
-    folder, _ = model_folder(model_dir, "`moezoo train smoes`", ["smoes_qwen3_5_moe"])
-    model = load_for_training(SmoesQwen3_5MoeForConditionalGeneration, folder, options.fsdp, options.ep,
+    hosts = [architecture.name for architecture in architectures_named("smoes")]
+    folder, model_type = model_folder(model_dir, "`moezoo train smoes`", hosts)
+    model = load_for_training(get_architecture(model_type).model_class(), folder, options.fsdp, options.ep,
                               options.save_steps, options.ep_implementation)  # fmt: skip
     return model, SmoesQwen3_5MoeProcessor.from_pretrained(folder)
 
