@@ -15,6 +15,7 @@ import torch
 
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_gates import GateModules
+from moezoo.evaluation.moemb import add_eval_arguments, run_eval
 from moezoo.hub.export import export_folder
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.modeling.moemb_adaptive.gates import (
@@ -405,3 +406,25 @@ def test_alternating_and_sequential_schedules_pick_the_gate_that_trains():
                                                                state=SimpleNamespace(global_step=step)))
              for step in range(4)]  # fmt: skip
     assert steps == [("drop",), ("skip",), ("layer",), ("drop",)]
+
+
+def test_eval_command_takes_the_trained_actions(randomised, tiny_moemb, tmp_path, capsys):
+    folder = tmp_path / "gated"
+    randomised.save_pretrained(folder)
+    MoEmbProcessor.from_pretrained(tiny_moemb).save_pretrained(folder)
+    task = ShapeRetrieval().mmeb_eval_task("image_to_text", 3, 4, torch.Generator().manual_seed(0),
+                                           tmp_path / "data" / "images")  # fmt: skip
+    task.to_json(tmp_path / "data" / "image_to_text.jsonl")
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    common = ["--benchmark", "mmeb", "--data", str(tmp_path / "data"), "--json"]
+    arguments = ["--model", str(folder), *common, "--action", "learned-prune", "--action", "layer-skip",
+                 "greedy-policy", "null-experts", "--execution", "masked"]  # fmt: skip
+    assert run_eval(parser.parse_args(arguments)) == 0
+    rows = json.loads(capsys.readouterr().out)["table"]
+    assert [row["actions"] for row in rows] == [
+        "full compute", "learned-prune", "layer-skip + greedy-policy + null-experts"
+    ]
+    assert rows[1]["flops_saving"] > 0 and rows[2]["flops_saving"] > 0
+    with pytest.raises(ValueError, match="--action: adaptive.expert_skip='learned' needs the trained module"):
+        run_eval(parser.parse_args(["--model", str(tiny_moemb), *common, "--action", "learned-skip"]))

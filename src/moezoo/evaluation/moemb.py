@@ -415,6 +415,12 @@ ACTIONS = {
     "topk": ("top_k", "uniform"),
     "modes": ("top_k", "modes"),
     "threshold": ("top_k", "threshold"),
+    # the trained gates of the model (`config.gates`, `moezoo train moemb --adaptive-recipe` / `--grpo`)
+    "learned-prune": ("token_pruning", "learned"),
+    "learned-skip": ("expert_skip", "learned"),
+    "null-experts": ("top_k", "null_experts"),
+    "layer-skip": ("layer_skip", "learned"),
+    "greedy-policy": ("efficiency_policy", "greedy"),
 }
 # command-line option -> AdaptiveSettings field
 ACTION_OPTIONS = {
@@ -445,7 +451,8 @@ def action_settings(args: argparse.Namespace, actions: Sequence[str], model, pro
     if settings.get("top_k") == "modes":
         settings |= modes_settings(args, model, processor)
     check_adaptive_settings(
-        AdaptiveSettings.from_dict(settings), model.config.text_config, model.config.moe_variant, "--action: "
+        AdaptiveSettings.from_dict(settings), model.config.text_config, model.config.moe_variant, "--action: ",
+        gates=model.config.gate_modules(),
     )
     return settings
 
@@ -549,9 +556,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "adaptive computation", "inference-time actions (spec §3); the results add the logical FLOPs saving"
     )
     adaptive.add_argument("--action", nargs="+", action="append", choices=list(ACTIONS), metavar="ACTION",
-                          help="one per family: token pruning gdn-prune; expert skip beta-skip, beta-threshold, "
-                               "otsu-beta, otsu-logit; top-k topk, modes, threshold (e.g. modes gdn-prune). Given "
-                               "several times: full compute and each one, compared in one table")
+                          help="one per family: token pruning gdn-prune, learned-prune; expert skip beta-skip, "
+                               "beta-threshold, otsu-beta, otsu-logit, learned-skip; top-k topk, modes, threshold, "
+                               "null-experts; layer-skip; greedy-policy (e.g. modes gdn-prune; the learned ones need "
+                               "the model's trained gates). Given several times: full compute and each one, compared "
+                               "in one table")
     adaptive.add_argument("--execution", choices=["packed", "masked"], default="packed",
                           help="packed: the actions' savings become wall-clock time (spec §3.14); masked: the "
                                "reference, same embeddings")
