@@ -215,6 +215,9 @@ def test_a_few_steps_on_the_budget_move_the_rate_toward_its_target(recipe, key, 
 def test_every_decision_is_per_sample(randomised, settings):
     together = randomised(**batch(*ITEMS), adaptive=settings)
     assert together.adaptive.flops_saving > 0, settings  # the gates do decide something
+    masked = randomised(**batch(*ITEMS), adaptive=settings | MASKED)  # packed execution (the default) equals it
+    torch.testing.assert_close(masked.embeddings, together.embeddings, atol=2e-5, rtol=0)
+    assert masked.adaptive.flops_saving == pytest.approx(together.adaptive.flops_saving, abs=1e-9)
     for row, entry in enumerate(ITEMS):
         alone = randomised(**batch(entry), adaptive=settings)
         torch.testing.assert_close(alone.embeddings[0], together.embeddings[row], atol=2e-5, rtol=0)
