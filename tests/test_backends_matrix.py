@@ -56,7 +56,7 @@ def sample_inputs(architecture: str, processor, config) -> dict[str, torch.Tenso
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is it?"}]}]
         inputs = processor(images=[image], text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
                            return_tensors="pt")
-    elif architecture == "smoes_qwen3_5_moe":  # text alone reaches every routed layer
+    elif architecture in ("smoes_qwen3_5_moe", "smoes_qwen3_vl_moe"):  # text alone reaches every routed layer
         inputs = processor(text=["what color is the car ?"], return_tensors="pt")
     else:
         raise KeyError(f"no sample inputs for {architecture!r}: add them to sample_inputs")
