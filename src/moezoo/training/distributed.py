@@ -96,17 +96,19 @@ def distributed_config(fsdp: int, ep: int, save_steps: int = 0,
     return DistributedConfig(fsdp_size=world_size, ep_size=ep, ep_implementation=ep_implementation)
 
 
-def check_shardable(model_class: type[PreTrainedModel], config: PreTrainedConfig, ep: int) -> None:
+def check_shardable(model_class: type[PreTrainedModel], config: PreTrainedConfig, ep: int,
+                    replicated_scalars: bool = False) -> None:  # fmt: skip
     """
     Refuses, before any weight is read, what transformers and FSDP2 would fail on half-way through loading: a 0-d
-    parameter (`fully_shard` shards every parameter on dim 0), and with `ep > 1` a model without routed experts or
-    with a layer whose experts do not split evenly over `ep` processes. The model is built on the meta device to read
-    its parameters and EP plan.
+    parameter (`fully_shard` shards every parameter on dim 0; unless `replicated_scalars`: the sharding of
+    `adapted_sharding` keeps them whole), and with `ep > 1` a model without routed experts or with a layer whose
+    experts do not split evenly over `ep` processes. The model is built on the meta device to read its parameters
+    and EP plan.
     """
     with torch.device("meta"):
         model = model_class._from_config(config)
     scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
-    if scalars:
+    if scalars and not replicated_scalars:
         raise ValueError(
             f"--fsdp / --ep: {model_class.__name__} holds 0-d parameters ({', '.join(scalars)}), which FSDP2 cannot "
             "shard; train it with plain DDP (a distributed launch without --fsdp / --ep)"

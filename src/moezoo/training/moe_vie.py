@@ -38,16 +38,18 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
+from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import (
     all_gather_with_grad,
     check_enough_examples,
-    load_for_training,
     main_process_output_dir,
+    refuse_sharding,
     world,
 )
 from .plots import plot_log_history
+from .sharded_checkpoints import ShardedCheckpointsMixin
 
 
 # --- batches ------------------------------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def frame_distillation_loss(student_frames: torch.Tensor, teacher_frames: torch.
     return (1 - nn.functional.cosine_similarity(student_frames, teacher_frames.to(student_frames.dtype), dim=-1)).mean()
 
 
-class MoeVieTrainer(Trainer):
+class MoeVieTrainer(ShardedCheckpointsMixin, Trainer):
     """Contrastive training over the global batch; the router auxiliary loss is added when the config asks for one
     (MoE-ViE itself uses none: its experts are balanced by the bias update)."""
 
@@ -225,8 +227,12 @@ def train_moe_vie(
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
-    model = load_for_training(MoeVieModel, folder, options.fsdp, options.ep, options.save_steps,
-                              options.ep_implementation)
+    if options.lora_r or options.video:
+        refuse_sharding(options.fsdp, options.ep,
+                        "its LoRA adapters (--lora-r) or video fine-tuning's teacher are made")  # fmt: skip
+    # Sharded after loading (`adapted_sharding`): FSDP2 cannot shard the 0-d logit_scale, which stays whole.
+    model = load_adapted_for_training(MoeVieModel, folder, None, options.fsdp, options.ep,
+                                      options.ep_implementation)  # fmt: skip
     processor = MoeVieProcessor.from_pretrained(folder)
     if options.loss_type:
         set_loss_type(model, options.loss_type)
@@ -257,6 +263,8 @@ def train_moe_vie(
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.lora_r:
             model = trained.merge_and_unload()
+        if options.fsdp > 1 or options.ep > 1:  # the heatmap runs the vision tower alone, outside FSDP2's root unit
+            model = unsharded_copy(model, lambda: MoeVieModel.from_pretrained(folder))
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 

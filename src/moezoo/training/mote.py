@@ -31,6 +31,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import datasets
@@ -60,8 +61,10 @@ from .arguments import (
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
+from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import load_for_training, main_process_output_dir, refuse_sharding
 from .plots import plot_log_history
+from .sharded_checkpoints import ShardedCheckpointsMixin
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
 DENSE_BASE_CLASSES = {"videollm_mote": AutoModelForCausalLM, "glm_ocr_mote": AutoModelForImageTextToText}
@@ -278,7 +281,7 @@ class TaskIdsCollator:
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
 
-class MoteTrainer(LogsStepMeans, Trainer):
+class MoteTrainer(LogsStepMeans, ShardedCheckpointsMixin, Trainer):
     """
     `Trainer` with route-homogeneous, rank-aligned batches (`MoteBucketBatchSampler`) and DDP that allows the unused
     experts. The training data set needs a `task` or `task_ids` column. Beside the loss, the loss of each route trained
@@ -379,16 +382,20 @@ class MoteTrainingOptions(TrainerOptions):
     description: str | None = None  # ... and its description for the route selector
 
 
-def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, save_steps: int = 0,
-                    ep_implementation: str = "auto"):
+def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, ep_implementation: str = "auto",
+                    adapt=None):
     """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder, the model sharded as `--fsdp` / `--ep`
-    ask (see `moezoo.training.distributed`)."""
+    ask (see `moezoo.training.distributed`); with `adapt`, `adapt(model)` (LoRA), attached before the sharding
+    (`moezoo.training.adapted_sharding`)."""
     folder, model_type = model_folder(
         model_dir, "`moezoo train mote`", TRAINABLE,
         other_types="train the text-only Llama-MoTE with TRL's SFTTrainer and TaskIdsCollator",
     )
     model_class, processor_class = TRAINABLE[model_type]
-    model = load_for_training(model_class, folder, fsdp, ep, save_steps, ep_implementation)
+    if adapt is None:  # checkpoints of sharded runs are MoteTrainer's (`ShardedCheckpointsMixin`): no save_steps
+        model = load_for_training(model_class, folder, fsdp, ep, ep_implementation=ep_implementation)
+    else:
+        model = load_adapted_for_training(model_class, folder, adapt, fsdp, ep, ep_implementation)
     return model, processor_class.from_pretrained(folder)
 
 
@@ -478,11 +485,26 @@ def train_mote(
             "train_experts trains those experts alone, with everything else frozen; it does not combine with "
             "add_expert or lora_r"
         )
-    if options.add_expert or options.lora_r:
-        refuse_sharding(options.fsdp, options.ep, "expert addition and LoRA add trainable modules")
+    if options.ep > 1:
+        raise ValueError(
+            f"--ep {options.ep}: MoTE's task experts are whole FFNs chosen per example, and every process trains the "
+            "same route at each step (the rank-aligned sampler), so experts placed on processes would send the whole "
+            "global batch to the one process holding that route's expert while the others wait; shard them with "
+            f"--fsdp {options.ep} instead, which also holds 1/{options.ep} of every expert per process"
+        )
+    if options.add_expert:
+        refuse_sharding(options.fsdp, options.ep, "expert addition adds a trainable expert")
     checkpoint = checkpoint_to_resume(out, options)
-    model, processor = load_mote_model(model_dir, options.fsdp, options.ep, options.save_steps,
-                                        options.ep_implementation)
+
+    def with_lora(model) -> MoteLoraModel:
+        freeze_vision(model)
+        set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
+        return with_attention_lora(model, options.lora_r)
+
+    # LoRA is attached before the model is sharded under --fsdp (`adapted_sharding`)
+    load = partial(load_mote_model, model_dir, adapt=with_lora if options.lora_r and not options.add_expert else None)
+    trained, processor = load(options.fsdp, options.ep, options.ep_implementation)
+    model = trained.get_base_model() if isinstance(trained, MoteLoraModel) else trained
     if options.add_expert and options.init_from == "dense" and dense_source is None:
         dense_source = load_dense_base(model, options.base_model)
     if options.train_experts:  # before reading the data, so that a misspelt expert fails naming the experts
@@ -499,11 +521,7 @@ def train_mote(
         trained, recipe = model, f"experts {', '.join(options.train_experts)} only"
     else:
         freeze_vision(model)
-        if options.lora_r:
-            set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
-            trained, recipe = with_attention_lora(model, options.lora_r), f"joint, LoRA r={options.lora_r}"
-        else:
-            trained, recipe = model, "joint, full decoder"
+        recipe = f"joint, LoRA r={options.lora_r}" if options.lora_r else "joint, full decoder"
     processor.expert_names = list(text_config.mote_expert_names)
     counts = trainable_parameters(trained)
 
@@ -518,6 +536,8 @@ def train_mote(
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         if trained is not model:  # LoRA: merged into the attention weights
+            if options.fsdp > 1 or options.ep > 1:
+                trained = unsharded_copy(trained, lambda: load()[0])
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)

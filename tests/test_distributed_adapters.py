@@ -1,0 +1,187 @@
+"""`--fsdp` / `--ep` through `moezoo.training.adapted_sharding` (the model loaded whole, adapted, then sharded), on
+two gloo processes: MoEMB's LoRA recipe (PEFT adapters, the `<emb>` row, the expert adapters shared by a layer's
+experts or one per expert) under FSDP2 and under EP, MoTE's `--lora-r` under FSDP2, and MoE-ViE (its 0-d
+`logit_scale` kept whole) under FSDP2 and EP give the losses and the final (merged) weights of one process on the
+same global batches. Tiny models, two steps, one thread per process.
+
+Run as a script, this file is the training command of every process: `torchrun ... test_distributed_adapters.py
+ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE]`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoImageProcessor
+
+from moezoo.configuration.mote import VideoLlmMoteConfig
+from moezoo.modeling.moe_vie import MoeVieModel
+from moezoo.processors.mote import VideoLlmMoteFrameProcessor
+from moezoo.training import moemb, mote
+from moezoo.training.sharded_checkpoints import DISTRIBUTED_CHECKPOINT
+from moezoo.training.moemb_synthetic import ShapeRetrieval
+from moezoo.training.mote_synthetic import ProcedureVideos
+from moezoo.training.synthetic import ColouredShapes
+
+from conftest import free_port, run_processes, run_python
+from test_distributed_training import (
+    GLOBAL_BATCH,
+    LEARNING_RATE,
+    STEPS,
+    WORLD,
+    assert_same_losses,
+    assert_same_weights,
+    moe_vie_folder,  # noqa: F401 (a fixture)
+    run_distributed,
+)
+from test_distributed_training import train as train_full
+
+# Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
+from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
+
+
+def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, expert_lora: str = "shared") -> dict:
+    if arch == "moe_vie":  # no adapters: sharded after loading for its 0-d logit_scale
+        return train_full(arch, model, out, batch_size, fsdp, ep)
+    common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, fsdp=fsdp, ep=ep)
+    if arch == "moemb":
+        data = ShapeRetrieval().training_dataset(16, torch.Generator().manual_seed(0))
+        lora = moemb.LoraOptions(rank=2, alpha=4, dropout=0.0, experts=expert_lora)
+        return moemb.train_moemb(model, data, out, moemb.MoEmbTrainingOptions(**common, warmup_steps=0, lora=lora))
+    AutoImageProcessor.register(VideoLlmMoteConfig, image_processor_classes={"pil": VideoLlmMoteFrameProcessor},
+                                exist_ok=True)  # fmt: skip
+    data = ProcedureVideos().dataset({"step": 8, "next": 8}, torch.Generator().manual_seed(0))
+    return mote.train_mote(model, data, out, mote.MoteTrainingOptions(**common, lora_r=2))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("arch")
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--expert-lora", default="shared")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora)
+
+
+@pytest.fixture(scope="module")
+def moemb_references(tiny_moemb, tmp_path_factory):
+    """One process on the global batch, for each expert-adapter mode the tests shard (trained once per module)."""
+    root = tmp_path_factory.mktemp("moemb_references")
+    return {mode: (root / mode, train("moemb", tiny_moemb, root / mode, GLOBAL_BATCH, expert_lora=mode))
+            for mode in ("shared", "per-expert")}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    ("--fsdp", WORLD),
+    ("--ep", WORLD),  # one expert adapter per layer: each process adds it to its own half of the experts
+    ("--ep", WORLD, "--expert-lora", "per-expert"),  # each process adapts its experts with their own adapters
+], ids=["fsdp", "ep", "ep-per-expert-adapters"])  # fmt: skip
+def test_moemb_lora_recipe_sharded_trains_as_one_process(flags, tiny_moemb, moemb_references, tmp_path):
+    folder, losses = moemb_references["per-expert" if "per-expert" in flags else "shared"]
+    run_processes(__file__, "moemb", tiny_moemb, tmp_path / "out", *flags, nproc=WORLD, timeout=300)
+    assert_same_weights(tmp_path / "out", folder)
+    assert_same_losses(tmp_path / "out", losses)
+
+
+@pytest.mark.slow
+def test_mote_lora_under_fsdp_trains_as_one_process(videollm_folder, tmp_path):  # noqa: F811
+    reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH)
+    run_processes(__file__, "mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD, nproc=WORLD, timeout=300)
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
+    assert_same_losses(tmp_path / "fsdp", reference)
+
+
+@pytest.fixture(scope="module")
+def moe_vie_even_experts(moe_vie_folder, tmp_path_factory):  # noqa: F811
+    """The tiny MoE-ViE with 8 routed experts per MoE layer instead of 7, so that they split over two processes."""
+    folder = tmp_path_factory.mktemp("moe_vie_8") / "model"
+    shutil.copytree(moe_vie_folder, folder)
+    config = MoeVieModel.config_class.from_pretrained(folder)
+    config.vision_config.n_routed_experts = 8
+    torch.manual_seed(0)
+    MoeVieModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--fsdp", "--ep"])
+def test_moe_vie_sharded_trains_as_one_process(flag, moe_vie_even_experts, tmp_path):
+    """The 0-d logit_scale, which FSDP2 cannot shard, stays whole on every process and trains as the rest does."""
+    reference = train("moe_vie", moe_vie_even_experts, tmp_path / "one", GLOBAL_BATCH)
+    run_processes(__file__, "moe_vie", moe_vie_even_experts, tmp_path / "out", flag, WORLD, nproc=WORLD, timeout=300)
+    assert_same_weights(tmp_path / "out", tmp_path / "one")
+    assert_same_losses(tmp_path / "out", reference)
+    initial = load_file(moe_vie_even_experts / "model.safetensors")["logit_scale"]
+    assert load_file(tmp_path / "out" / "model.safetensors")["logit_scale"] != initial  # trained, not left out
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_from_its_distributed_checkpoint(moe_vie_even_experts, tmp_path):
+    """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, an FSDP2 run ends with the
+    weights of one uninterrupted process; the saved folder loads in a fresh process."""
+    train("moe_vie", moe_vie_even_experts, tmp_path / "one", GLOBAL_BATCH)
+    out, flags = tmp_path / "out", ("--fsdp", WORLD, "--save-steps", 1)
+    stopped = run_distributed("moe_vie", moe_vie_even_experts, out, *flags, "--stop-at", 2, check=False)
+    assert stopped.returncode != 0 and not out.exists()
+    checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
+    assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() and (checkpoint / "scheduler.pt").is_file()
+    run_distributed("moe_vie", moe_vie_even_experts, out, *flags, "--resume")
+    assert not (tmp_path / "out.checkpoints").exists()
+    assert_same_weights(out, tmp_path / "one")
+    run_python(f"""
+        import torch
+        from safetensors.torch import load_file
+        from moezoo.modeling.moe_vie import MoeVieModel
+        model = MoeVieModel.from_pretrained({str(out)!r})
+        saved = load_file({str(out / "model.safetensors")!r})
+        assert all(torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
+    """)
+
+
+def test_mote_refuses_expert_parallelism_saying_why(videollm_folder, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the refusal comes before any collective
+    with pytest.raises(ValueError, match=rf"--ep {WORLD}: MoTE's task experts are whole FFNs .* --fsdp {WORLD} inst"):
+        mote.train_mote(videollm_folder, ProcedureVideos().dataset({"step": 4}, torch.Generator()), tmp_path / "out",
+                        mote.MoteTrainingOptions(steps=1, batch_size=1, ep=WORLD))  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_as_torchrun(moe_vie_even_experts, tmp_path):
+    """`accelerate launch --multi_gpu` starts its processes through torchrun, on CPUs too (gloo; its `--cpu` switch
+    would start one process): the FSDP2 command it launches writes the weights and losses of the torchrun launch."""
+    ColouredShapes(image_size=16, colours=("red", "blue"), held_out=()).image_text_dataset(
+        16, torch.Generator().manual_seed(0)).to_parquet(tmp_path / "shapes.parquet")  # fmt: skip
+    command = ["-m", "moezoo", "train", "moe_vie", "--model", str(moe_vie_even_experts), "--data",
+               str(tmp_path / "shapes.parquet"), "--steps", str(STEPS), "--batch-size", str(GLOBAL_BATCH // WORLD),
+               "--lr", str(LEARNING_RATE), "--logging-steps", "1", "--fsdp", str(WORLD)]  # fmt: skip
+    launches = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+                     "--master_addr", "127.0.0.1", "--master_port", str(free_port())],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                       str(WORLD), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())],
+    }  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    for name, launch in launches.items():
+        result = subprocess.run([*launch, *command, "--out", str(tmp_path / name)], env=env, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(tmp_path / "accelerate", tmp_path / "torchrun")
+    torchrun = json.loads((tmp_path / "torchrun" / "moezoo.json").read_text())["training"]
+    assert_same_losses(tmp_path / "accelerate", torchrun)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
