@@ -12,10 +12,13 @@ from transformers import initialization as init
 
 from .experts import GeluExperts, SwiGLUExperts
 from .router import TopKRouter
+from .smoes.host import SmoesHost
+from .smoes.state import SmoesLayerState
 
 
 def init_moe_module(module: nn.Module, std: float) -> bool:
-    """Initialise `module` if it is a router or an experts module of the core; returns whether it was one."""
+    """Initialise `module` if it is a router, an experts module or SMoES state of the core; returns whether it was
+    one."""
     if isinstance(module, TopKRouter):
         init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
@@ -32,5 +35,11 @@ def init_moe_module(module: nn.Module, std: float) -> bool:
         init.normal_(module.down_proj, mean=0.0, std=std)
         init.zeros_(module.up_proj_bias)
         init.zeros_(module.down_proj_bias)
+        return True
+    if isinstance(module, SmoesLayerState):
+        module.init_buffers()
+        return True
+    if isinstance(module, SmoesHost):
+        init.zeros_(module.step)
         return True
     return False

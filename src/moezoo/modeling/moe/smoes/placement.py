@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .bins import contiguous_bins
+from .host import SmoesHost
 from .state import SmoesLayerState
 
 
@@ -158,7 +159,7 @@ def smoes_export_bin_aligned(model: nn.Module, num_devices: int | None = None) -
     """Permute every SMoES layer's experts in place so that bin k occupies indices `[k N_B, (k+1) N_B)` (spec §3.1),
     and return the model. Routing is equivariant to permuting router rows and experts jointly, so outputs are unchanged
     (up to summation order); afterwards `bins` are contiguous and the plain sharding of `num_devices` expert-parallel
-    ranks (default `config.smoes_ep_devices`) is the bin placement.
+    ranks (default: the settings' `smoes_ep_devices`) is the bin placement.
 
     Permuted per layer: the router's per-expert tensors (`gate.weight`, a bias or `e_score_correction_bias`), the
     experts' fused tensors (`gate_up_proj`, `down_proj`, their biases) and the dispatch-count EMA."""
@@ -168,7 +169,10 @@ def smoes_export_bin_aligned(model: nn.Module, num_devices: int | None = None) -
             f"n_group={config.n_group}: group-limited routing picks experts within contiguous index groups, so "
             "permuting the experts changes the routing; export needs n_group=1"
         )
-    num_devices = config.smoes_ep_devices if num_devices is None else num_devices
+    if num_devices is None:
+        # The zoo's hosts keep their settings in an `SmoesHost`; transformers-based hosts on their text config.
+        hosts = [module.settings for module in model.modules() if isinstance(module, SmoesHost)]
+        num_devices = (hosts[0] if hosts else config).smoes_ep_devices
     for block in _smoes_blocks(model):
         state = block.smoes
         num_experts = state.bins.numel()

@@ -78,11 +78,11 @@ def apply_smoes(
     mi_coef = mi_coefficient(config.smoes_mi_coef, config.smoes_mi_warmup_steps, current_step)
     balance_terms, mi_terms, selections = [], [], []
     for position, (state, logits) in enumerate(zip(states, router_logits)):
-        gates = _routing_probabilities(_per_token(logits, valid).float(), router_type)  # (B, T, E)
+        gates = _routing_probabilities(per_token_rows(logits, valid).float(), router_type)  # (B, T, E)
         if top_k_indices is None:
             selected = gates.topk(config.num_experts_per_tok, dim=-1).indices
         else:
-            selected = _per_token(top_k_indices[position], valid)
+            selected = per_token_rows(top_k_indices[position], valid)
         selections.append(selected)
         balance_terms.append(
             bin_balance_loss(gates, selected, state.bins, state.num_bins, valid, mode=config.smoes_bal_mode)
@@ -122,7 +122,7 @@ def _update_buffers(config, states, runtime: SmoesRuntime, selections, current_s
             state.reassign_bins()
 
 
-def _per_token(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def per_token_rows(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(N, X) rows of all B*T tokens or of the valid ones only -> (B, T, X); padding rows are zero-filled."""
     if rows.shape[0] == valid.numel():
         return rows.reshape(*valid.shape, -1)
