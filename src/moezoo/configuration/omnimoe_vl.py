@@ -15,6 +15,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.siglip.configuration_siglip import SiglipVisionConfig
 
 from ..modeling.moe.spec import MoeLayerSpec
+from .smoes_settings import SmoesSettings
 from .validation import (
     require_choice,
     require_finite,
@@ -202,6 +203,9 @@ class OmniMoeVlConfig(PreTrainedConfig):
         (lambda_b), underuse_eps, exploration_noise_std (sigma).
     Auxiliary losses (spec §3.1): *_coef weights, *_min_scale / *_anneal_steps of the linear schedules,
         query_entropy_sign (+1 maximises the participation entropy), router_utility, adapter_factor_reg_coef.
+    SMoES: smoes, the routing regulariser of the language experts (`moezoo.modeling.smoes.enable_smoes`) as the dict
+        of a `SmoesSettings` (`moezoo.configuration.smoes_settings`), None for none: each language MoE layer then
+        holds SMoES buffers, and in training the SMoES losses replace the language experts' load balancing.
     """
 
     model_type = "omnimoe_vl"
@@ -271,6 +275,7 @@ class OmniMoeVlConfig(PreTrainedConfig):
     depth_balance_anneal_steps: int = 18000
     adapter_factor_reg_coef: float = 0.0
     initializer_range: float = 0.02
+    smoes: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -371,6 +376,14 @@ class OmniMoeVlConfig(PreTrainedConfig):
                                ("injection_type", INJECTION_TYPES), ("route_coupling", ROUTE_COUPLINGS),
                                ("router_utility", ROUTER_UTILITIES)):
             require_choice(self, field, choices)
+        settings = self.smoes_settings()
+        if settings is not None:  # every language layer is softmax attention
+            settings.check_host(text.num_experts, text.num_hidden_layers)
+            self.smoes = settings.to_dict()  # every field, so that a saved config keeps the settings it ran with
+
+    def smoes_settings(self) -> SmoesSettings | None:
+        """The SMoES settings of `smoes` (None: no SMoES)."""
+        return SmoesSettings.from_dict(self.smoes, "OmniMoeVlConfig.smoes")
 
 
 # --- named configurations ------------------------------------------------------------------------------------------

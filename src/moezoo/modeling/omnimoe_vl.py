@@ -35,6 +35,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeModel,
     Qwen3MoeRMSNorm,
     Qwen3MoeRotaryEmbedding,
+    apply_rotary_pos_emb,
 )
 from transformers.models.siglip.modeling_siglip import (
     SiglipAttention,
@@ -50,11 +51,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.omnimoe_vl import OmniMoeVlConfig, OmniMoeVlTextConfig, OmniMoeVlVisionConfig
+from ..configuration.smoes_settings import SmoesSettings
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss
 from .moe.pretrained import MoePreTrainedMixin
 from .moe.router import TopKRouter
+from .moe.smoes.host import HostLayer, SmoesHost, smoes_outputs, smoes_recording, token_modality
 from .omnimoe_vl_projector import (
     OmniMoeVlDepthRouter,
     OmniMoeVlInjection,
@@ -126,10 +129,18 @@ class OmniMoeVlCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
         objectives (spec §3.1), included in `loss`.
     routing_losses (`dict[str, torch.Tensor]`, *optional*): each of those objectives unweighted, by name
         (`OmniMoeVlProjector.routing_objectives`), for the training logs.
+    smoes_bal_loss / smoes_mi_loss / smoes_mi / smoes_bins (*optional*): in a training forward with SMoES
+        (`config.smoes`), whose weighted loss replaces the language experts' load balancing in `aux_loss`: the
+        bin-level balance loss and minus the inter-bin MI (reduced over MoE layers), each MoE layer's MI in nats, and
+        the bins the losses used.
     """
 
     routing_loss: torch.Tensor | None = None
     routing_losses: dict[str, torch.Tensor] | None = None
+    smoes_bal_loss: torch.Tensor | None = None
+    smoes_mi_loss: torch.Tensor | None = None
+    smoes_mi: torch.Tensor | None = None
+    smoes_bins: tuple[torch.Tensor, ...] | None = None
 
     image_outputs: OmniMoeVlVisionOutput | None = None
     image_hidden_states: torch.Tensor | None = None
@@ -277,12 +288,23 @@ class OmniMoeVlTextModel(MoePreTrainedMixin, Qwen3MoeModel):
         self.norm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3MoeRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.smoes = None  # a SmoesHost once `attach_smoes` put SMoES on the layers
         self.post_init()
 
     def _init_weights(self, module):
         if init_moe_module(module, self.config.initializer_range):
             return
         super()._init_weights(module)
+
+    def attach_smoes(self, settings: SmoesSettings) -> SmoesHost:
+        """SMoES on every layer (`moezoo.modeling.moe.smoes.host`): each attention layer advances the attention score,
+        each MoE block gets its buffers (the dense layers of `mlp_only_layers` have none)."""
+        layers = [
+            HostLayer(layer, layer.self_attn, layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None)
+            for layer in self.layers
+        ]
+        self.smoes = SmoesHost(settings, layers, self.config.hidden_size, apply_rotary_pos_emb)
+        return self.smoes
 
     @merge_with_config_defaults
     @capture_outputs
@@ -385,6 +407,8 @@ class OmniMoeVlModel(OmniMoeVlPreTrainedModel):
         self.vision_tower = OmniMoeVlVisionModel._from_config(config.vision_config)
         self.projector = OmniMoeVlProjector(config)
         self.language_model = OmniMoeVlTextModel._from_config(config.text_config)
+        if config.smoes is not None:
+            self.language_model.attach_smoes(config.smoes_settings())
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -602,21 +626,27 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
             output_router_logits = text_config.output_router_logits
         if labels is not None and prompt_mask is None and (pixel_values is not None or visual_streams is not None):
             prompt_mask = self.model.default_prompt_mask(input_ids, attention_mask, inputs_embeds) & (labels == -100)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            pixel_values=pixel_values,
-            prompt_mask=prompt_mask,
-            visual_streams=visual_streams,
-            routing_context=routing_context,
-            route_override=route_override,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
+        smoes, smoes_losses = self.model.language_model.smoes, None
+        trains_smoes, recording = smoes_recording(self, smoes, lambda: self._smoes_tokens(input_ids, inputs_embeds,
+                                                                                           attention_mask))
+        with recording:
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                pixel_values=pixel_values,
+                prompt_mask=prompt_mask,
+                visual_streams=visual_streams,
+                routing_context=routing_context,
+                route_override=route_override,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                output_router_logits=output_router_logits or trains_smoes,
+                **kwargs,
+            )
+            if trains_smoes:
+                smoes_losses = smoes.losses(outputs.router_logits, text_config.num_experts_per_tok)
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = routing_loss = routing_losses = None
         if labels is not None:
@@ -628,7 +658,9 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
                 routing_loss = sum(weight * term for weight, term in objectives.values())
                 routing_losses = {name: term for name, (_, term) in objectives.items()}
                 loss = loss + routing_loss.to(loss.device)
-        aux_loss = self._router_aux_loss(outputs) if output_router_logits else None
+        aux_loss = self._router_aux_loss(outputs, language=not trains_smoes) if output_router_logits else None
+        if smoes_losses is not None:
+            aux_loss = smoes_losses.loss if aux_loss is None else aux_loss + smoes_losses.loss
         if loss is not None and aux_loss is not None:
             loss = loss + aux_loss.to(loss.device)
         return OmniMoeVlCausalLMOutputWithPast(
@@ -642,13 +674,20 @@ class OmniMoeVlForConditionalGeneration(OmniMoeVlPreTrainedModel, GenerationMixi
             routing_loss=routing_loss,
             routing_losses=routing_losses,
             **{name: outputs[name] for name in ROUTING_FIELDS if name in outputs},
+            **{name: value for name, value in smoes_outputs(smoes_losses).items() if name != "aux_loss"},
         )
 
-    def _router_aux_loss(self, outputs: OmniMoeVlModelOutputWithPast) -> torch.Tensor | None:
-        """Switch load balancing of each stack's token experts, weighted by its `router_aux_loss_coef` (spec D28)."""
+    def _smoes_tokens(self, input_ids, inputs_embeds, attention_mask) -> tuple[torch.LongTensor, torch.Tensor]:
+        """(B, L) hard modality and validity of an SMoES training forward's tokens: vision at the image placeholders."""
+        vision = self.model.token_mask([self.config.image_token_id], input_ids, inputs_embeds)
+        return token_modality(vision.shape, vision_token_mask=vision, attention_mask=attention_mask)
+
+    def _router_aux_loss(self, outputs: OmniMoeVlModelOutputWithPast, language: bool = True) -> torch.Tensor | None:
+        """Switch load balancing of each stack's token experts, weighted by its `router_aux_loss_coef` (spec D28);
+        `language=False` leaves the language experts out (SMoES' losses replace theirs)."""
         terms = []
         for config, logits in (
-            (self.config.text_config, outputs.router_logits),
+            (self.config.text_config, outputs.router_logits if language else None),
             (self.config.vision_config, outputs.image_outputs.router_logits if outputs.image_outputs else None),
         ):
             if logits:
