@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_gates import GateModules
@@ -27,8 +28,14 @@ from moezoo.modeling.moemb_adaptive.gates import (
 from moezoo.modeling.moemb_adaptive.trained import masked_attention, masked_gated_delta_net
 from moezoo.modeling.moemb_flops import TokenDecisions, TokenLayerFlops, logical_flops
 from moezoo.processors.moemb import MoEmbProcessor
-from moezoo.training.moemb import add_train_arguments, run_train
-from moezoo.training.moemb_adaptive import RECIPES, AdaptiveRecipeOptions, GateRecipeTrainer, GateTraining
+from moezoo.training.moemb import MoEmbTrainer, add_train_arguments, run_train
+from moezoo.training.moemb_adaptive import (
+    RECIPES,
+    AdaptiveRecipeOptions,
+    GateRecipeTrainer,
+    GateTraining,
+    recipe_trainer,
+)
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 import test_moemb_adaptive as adaptive_tests
@@ -431,3 +438,11 @@ def test_eval_command_takes_the_trained_actions(randomised, tiny_moemb, tmp_path
     assert rows[1]["flops_saving"] > 0 and rows[2]["flops_saving"] > 0
     with pytest.raises(ValueError, match="--action: adaptive.expert_skip='learned' needs the trained module"):
         run_eval(parser.parse_args(["--model", str(tiny_moemb), *common, "--action", "learned-skip"]))
+
+
+def test_the_pruner_gets_forty_times_the_learning_rate(tmp_path):
+    model, training = recipe_model("token_pruner")
+    args = TrainingArguments(tmp_path, learning_rate=1e-3, report_to=[], use_cpu=True)
+    trainer = recipe_trainer(MoEmbTrainer)(model=model, args=args, gate_training=training, logit_scale=50.0)
+    groups = {group["lr"]: len(group["params"]) for group in trainer.create_optimizer().param_groups}
+    assert groups == {1e-3: 0, 4e-2: 4}  # the pruner's two linear layers (weights and biases) at 40x

@@ -45,12 +45,12 @@ from ..modeling.moemb_flops import TokenLayerFlops
 from .plots import plot_log_history
 
 
-# The gate of each action: (parameter-name marker, realised-rate key, default target).
+# The gate of each action: (its parameters' name marker, its realised rate's log key).
 ACTIONS = {
-    "drop": ("token_pruner", "rate/token_drop", 0.70),
-    "skip": ("efficiency_head", "rate/expert_skip", 0.30),
-    "layer": ("skip_gate", "rate/layer_skip", 0.20),
-    "null": ("null_router", "rate/physical_experts", None),
+    "drop": ("token_pruner", "rate/token_drop"),
+    "skip": ("efficiency_head", "rate/expert_skip"),
+    "layer": ("skip_gate", "rate/layer_skip"),
+    "null": ("null_router", "rate/physical_experts"),
 }
 COMBINED_GATES = {"token_pruner": True, "efficiency_head": "skip_gate", "layer_skip": True}
 COMBINED_TRAINING = {"token_pruning": "learned", "expert_skip": "learned", "layer_skip": "learned"}
@@ -159,7 +159,7 @@ class GateTraining:
         self.options = options
         self.recipe = options.spec
         self.teacher = None
-        self.costs = None
+        self.costs = self.config = None  # set by add_gates
 
     def add_gates(self, model: nn.Module) -> None:
         """Adds the recipe's gates to a loaded `MoEmbForEmbedding` (and keeps a frozen copy of it, the
@@ -377,20 +377,21 @@ class GateRecipeTrainer(Trainer):
             self.logged_rates = {}
         super().log(logs, start_time)
 
-    def create_optimizer(self):
+    def create_optimizer(self, model=None):
         """AdamW as the Trainer builds it, with the pruner's learning rate scaled (spec §3.1: 40x)."""
         scale = self.gate_training.options.pruner_lr_scale
+        model = self.model if model is None else model
         if self.optimizer is None and "drop" in self.gate_training.recipe.actions and scale != 1:
-            named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
             pruner = [p for name, p in named if ACTIONS["drop"][0] in name]
             others = [p for name, p in named if ACTIONS["drop"][0] not in name]
-            optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, model)
             self.optimizer = optimizer_cls(
                 [{"params": others, "weight_decay": self.args.weight_decay},
                  {"params": pruner, "weight_decay": self.args.weight_decay, "lr": self.args.learning_rate * scale}],
                 **kwargs,
             )  # fmt: skip
-        return super().create_optimizer()
+        return super().create_optimizer(model)
 
 
 def recipe_trainer(base: type[Trainer]) -> type[Trainer]:
