@@ -184,6 +184,8 @@ class TrainedActions:
         drop = candidates & ~kept
         if bool(drop.any()):
             rows = torch.arange(drop.shape[0], device=drop.device)[:, None].expand_as(drop)
+            # Counted as a DROP at block n (the FLOPs model's nearest action): the routed experts the pruned tokens
+            # did run at block n are left out of the FLOPs, a slight overstatement of the saving.
             where = (rows[drop].cpu(), meta.original_index[drop].cpu(), layer_idx)
             forward.dropped[where], forward.skipped[where] = True, False  # drop and skip are exclusive
             forward.pending_drop = drop if forward.pending_drop is None else forward.pending_drop | drop
