@@ -16,8 +16,8 @@ from moezoo.bench.moemb import MIXED_INPUTS, bench_inputs
 from moezoo.bench.moemb_adaptive import packed_inputs
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_adaptive import AdaptiveSettings
-from moezoo.modeling.moemb import PackedSequences
-from moezoo.modeling.moemb_adaptive.packed import PaddedBatch, varlen_mixer
+from moezoo.modeling.moemb import fla_chunk_gated_delta_rule
+from moezoo.modeling.moemb_adaptive.packed import PaddedBatch
 
 from test_moemb_adaptive import ACTIONS, TOP_K, make_model
 
@@ -58,9 +58,9 @@ def test_packed_execution_keeping_everything_equals_the_padded_model(model, inpu
 def test_every_action_embeds_the_same_packed_and_masked(model, inputs, action):
     """Exact relation relied on: the masked forward moves each row's surviving tokens to its front, so after GDN-β
     pruning its Gated DeltaNet convolution sees the same new neighbours as the packed row (both differ, by design,
-    from keeping the dropped tokens in the row: spec A-18)."""
+    from keeping the dropped tokens in the row: spec A-18). Left padding too, where tokens leave."""
     with torch.no_grad():
-        for batch in (inputs, left_padded(inputs)):
+        for batch in (inputs, left_padded(inputs)) if "prune" in action else (inputs,):
             masked = model(**batch, adaptive=dict(ACTIONS[action], execution="masked"))
             packed = model(**batch, adaptive=dict(ACTIONS[action], execution="packed"))
             torch.testing.assert_close(packed.embeddings, masked.embeddings, atol=1e-5, rtol=0)
@@ -113,38 +113,18 @@ def test_dropped_tokens_leave_the_packed_row_and_the_bounds_are_recomputed(model
     assert not dropped[pooled_tokens.packed_index(inputs["pooled_index"])].any()
 
 
-@pytest.mark.parametrize("layer_index", [0, 3])  # a Gated DeltaNet layer and a full-attention one
-def test_token_mixers_see_each_packed_item_alone(model, inputs, layer_index):
-    layer = model.model.language_model.layers[layer_index]
-    lengths = inputs["attention_mask"].sum(1)
-    packed = PackedSequences.from_cu_seqlens(F.pad(lengths.cumsum(0), (1, 0)), int(lengths.sum()))
-    hidden = torch.randn(1, int(lengths.sum()), model.config.text_config.hidden_size,
-                         generator=torch.Generator().manual_seed(0))  # fmt: skip
-    positions = torch.cat([torch.arange(int(n)) for n in lengths])[None, None].expand(3, 1, -1)
-    cos, sin = model.model.language_model.rotary_emb(hidden, positions)
-    if layer.layer_type == "linear_attention":
-        def mixer(x, *rotary):
-            return layer.linear_attn(x)
-    else:
-        def mixer(x, cos, sin):
-            mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
-            return layer.self_attn(x, position_embeddings=(cos, sin), attention_mask=mask[None, None])[0]
-    with torch.no_grad():
-        together = varlen_mixer(mixer, hidden, packed.padded_layout(), (cos, sin))
-        alone = torch.cat([mixer(hidden[:, a:b], cos[:, a:b], sin[:, a:b]) for a, b in packed.bounds()], dim=1)
-    torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
-
-
 def test_execution_mode_is_checked(model, inputs):
     with pytest.raises(ValueError, match=r"adaptive.execution='varlen' is not one of \('masked', 'packed'\)"):
         model(**inputs, adaptive=dict(ACTIONS["top-k"], execution="varlen"))
 
 
-def test_adaptive_bench_prints_every_action_and_valid_json(capsys):
+def test_adaptive_bench_prints_every_action_and_valid_json(capsys, monkeypatch):
     """`moezoo bench moemb --adaptive` on the tiny layout (no timing assertion: the machine is shared)."""
+    from moezoo.bench import moemb_adaptive
     from moezoo.bench.moemb import add_bench_arguments, bench_configs, run_bench
     from moezoo.bench.moemb_adaptive import FIXED_ACTIONS, AdaptiveBenchRow, print_adaptive_table
 
+    monkeypatch.setattr(moemb_adaptive, "MODES_GRID_POINTS", 4)  # a coarse MoDES calibration
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args(["--adaptive", "--size", "tiny", "--batch-size", "2", "--text-tokens", "8",
@@ -164,3 +144,36 @@ def test_adaptive_bench_prints_every_action_and_valid_json(capsys):
     printed = capsys.readouterr().out
     assert all(name in printed for name in ("full", "gdn-beta", "beta-rank", "otsu-logit", "top-k'", "modes"))
     assert f"of {len(rows) - 2} targets met" in printed
+
+
+# --- GPU kernels (make gpu-check) -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    fla_chunk_gated_delta_rule is None or not torch.cuda.is_available(),
+    reason="needs flash-linear-attention and a GPU (the CPU runs the stock Gated DeltaNet per segment)",
+)
+def test_packed_actions_on_cuda_with_fla_match_the_cpu_masked_reference(model, inputs):
+    """fla's varlen Gated DeltaNet (convolution and delta rule reading cu_seqlens) after GDN-β pruning."""
+    cuda_model = copy.deepcopy(model).cuda()
+    cuda_inputs = {key: value.cuda() for key, value in inputs.items()}
+    for action in ("modes+gdn-prune", "beta-rank", "top-k"):
+        with torch.no_grad():
+            expected = model(**inputs, adaptive=dict(ACTIONS[action], execution="masked")).embeddings
+            got = cuda_model(**cuda_inputs, adaptive=dict(ACTIONS[action], execution="packed")).embeddings
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attention's varlen kernel needs a GPU")
+def test_packed_actions_on_cuda_with_flash_attn_varlen_match_sdpa(model, inputs):
+    """flash_attention_2 in bf16 reads the recomputed cu_seqlens / max_seqlen after pruning (explicit kwargs)."""
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    models = {}
+    for implementation in ("sdpa", "flash_attention_2"):
+        models[implementation] = copy.deepcopy(model).to("cuda", torch.bfloat16)
+        models[implementation].set_attn_implementation(implementation)
+    batch = {key: value.to("cuda", torch.bfloat16 if value.is_floating_point() else value.dtype)
+             for key, value in inputs.items()}  # fmt: skip
+    with torch.no_grad():
+        sdpa, flash = (models[name](**batch, adaptive=ACTIONS["modes+gdn-prune"]).embeddings for name in models)
+    torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=0)

@@ -51,6 +51,7 @@ TIME_LIMIT_S = 8 * 60
 GPU_TEST_FILES = (
     "tests/test_triton_experts.py",
     "tests/test_moemb_model.py",
+    "tests/test_moemb_packed.py",
     "tests/test_cli_bench.py",
     "tests/test_bench_moe_vie.py",
 )

@@ -58,6 +58,7 @@ FIXED_ACTIONS = {
 MODES_TARGETS = (0.5, 0.75)  # shares of routed slots skipped (MoDES's own budget axis)
 COMBINED_KEEP_RATIOS = (0.5, 0.25)
 COMBINED_SKIP_TARGETS = MODES_TARGETS
+MODES_GRID_POINTS = 16  # per threshold grid of MoDES's frontier search
 
 
 @dataclass
@@ -74,7 +75,9 @@ class AdaptiveBenchRow:
     time_model_speedup: float  # the physical floor: the time shares of full compute scaled by the work left
     share_of_time_model: float  # realised / time model
     max_abs_diff_vs_masked: float | None  # packed against the masked reference of the same action
+    parts_ms: dict  # per batch, scaled to `ms`: vision tower, token mixers, MoE blocks, routed experts within them
     tokens: int  # real tokens of the batch
+    flops_shares: dict  # of full compute's logical FLOPs: vision tower, token mixers, MoE blocks, routed experts
     target: str = ""
     met: bool | None = None
 
@@ -118,6 +121,15 @@ def part_timer(model: MoEmbForEmbedding):
             handle.remove()
 
 
+def part_shares(parts: dict, scale: float) -> dict:
+    """The times of `part_timer` summed by kind ("vision", "mixers", "moe", "routed"), times `scale`."""
+    kinds = {"vision": "vision", "mixer": "mixers", "moe": "moe", "routed": "routed"}
+    summed = dict.fromkeys(kinds.values(), 0.0)
+    for key, seconds in parts.items():
+        summed[kinds[key if isinstance(key, str) else key[0]]] += seconds * scale
+    return summed
+
+
 def time_model_speedup(parts: dict, total: float, report, top_k: int) -> float:
     """Full compute's time over the time its parts would take with the work `report` (an `AdaptiveReport`) leaves
     them: the vision tower in full, each layer's mixer, shared expert and router by the share of tokens reaching the
@@ -135,8 +147,7 @@ def time_model_speedup(parts: dict, total: float, report, top_k: int) -> float:
     return float(total / scaled)
 
 
-def action_settings(model: MoEmbForEmbedding, calibration: list[dict], on_step: Callable[[str], None],
-                    grid_points: int = 16) -> dict:  # fmt: skip
+def action_settings(model: MoEmbForEmbedding, calibration: list[dict], on_step: Callable[[str], None]) -> dict:
     """Every benchmarked action's settings: the fixed ones, MoDES at each target skip, and MoDES + GDN-β with the
     target skip and keep ratio whose FLOPs saving is closest to the combined target's."""
     actions = dict(FIXED_ACTIONS)
@@ -146,7 +157,7 @@ def action_settings(model: MoEmbForEmbedding, calibration: list[dict], on_step: 
     modes = {}
     for target in sorted({*MODES_TARGETS, *COMBINED_SKIP_TARGETS}):
         on_step(f"MoDES calibration, skip {target}")
-        modes[target] = calibrate_modes(model, calibration, target_skip=target, grid_points=grid_points)
+        modes[target] = calibrate_modes(model, calibration, target_skip=target, grid_points=MODES_GRID_POINTS)
     for target in MODES_TARGETS:
         actions[f"modes skip {target}"] = modes[target]
     saving_goal, _ = COMBINED_TARGET
@@ -174,7 +185,6 @@ def run_adaptive_bench(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     on_step: Callable[[str], None] = lambda step: None,
-    grid_points: int = 16,
 ) -> list[AdaptiveBenchRow]:
     """Time full compute and every action (packed execution) round-robin on one batch of image + text and text
     inputs, with randomly initialised weights (routers drawn wider than the initialiser's, so that routing is decisive
@@ -188,7 +198,7 @@ def run_adaptive_bench(
     inputs = bench_inputs(config, MIXED_INPUTS, batch_size, text_tokens, image_size, seed).to(device=device, dtype=dtype)
     calibration = [bench_inputs(config, MIXED_INPUTS, 4, text_tokens, image_size, seed + 1).to(device=device,
                                                                                                dtype=dtype)]
-    actions = action_settings(model, calibration, on_step, grid_points)
+    actions = action_settings(model, calibration, on_step)
     packed = packed_inputs(inputs)
 
     def forward(batch: dict, adaptive: dict):
@@ -205,14 +215,23 @@ def run_adaptive_bench(
         reports[name] = output.adaptive
         masked = model(**inputs, adaptive=dict(settings, execution="masked")).embeddings
         diffs[name] = float((output.embeddings - masked).abs().max())
-    with part_timer(model) as parts:  # summed over a few forwards: the shares, not the times, are used
-        started = time.perf_counter()
-        for _ in range(3):
-            calls["full (packed)"]()
-        total = time.perf_counter() - started
+    parts, totals = {}, {}
+    for name, call in calls.items():  # summed over two forwards: the time model reads full compute's shares
+        with part_timer(model) as parts[name]:
+            started = time.perf_counter()
+            for _ in range(2):
+                call()
+            totals[name] = time.perf_counter() - started
     on_step("timing")
     ms = {name: value * 1e3 for name, value in time_round_robin(calls, seconds, max_rounds).items()}
     reference = min(ms["full (padded)"], ms["full (packed)"])
+    full_flops = next(iter(reports.values())).full_flops
+    flops_shares = {
+        "vision": full_flops.vision, "mixers": full_flops.token_mixers + full_flops.attention_context,
+        "moe": full_flops.shared_experts + full_flops.routed_experts + full_flops.routers,
+        "routed": full_flops.routed_experts,
+    }  # fmt: skip
+    flops_shares = {part: value / full_flops.total for part, value in flops_shares.items()}
     top_k = config.text_config.num_experts_per_tok
     rows = []
     for name, time_ms in ms.items():
@@ -223,8 +242,9 @@ def run_adaptive_bench(
             action=name, settings=actions.get(name, {}), ms=time_ms, embeddings_per_second=batch_size * 1e3 / time_ms,
             flops_saving=saving, slot_skip_ratio=0.0 if report is None else report.slot_skip_ratio,
             ideal_speedup=ideal, realised_speedup=realised, share_of_ideal=realised / ideal,
-            time_model_speedup=time_model_speedup(parts, total, report, top_k), share_of_time_model=0.0,
-            max_abs_diff_vs_masked=diffs.get(name), tokens=int(inputs["attention_mask"].sum()),
+            time_model_speedup=time_model_speedup(parts["full (packed)"], totals["full (packed)"], report, top_k),
+            share_of_time_model=0.0, parts_ms=part_shares(parts[name], time_ms / totals[name]),
+            max_abs_diff_vs_masked=diffs.get(name), flops_shares=flops_shares, tokens=int(inputs["attention_mask"].sum()),
         )  # fmt: skip
         row.share_of_time_model = realised / row.time_model_speedup
         if report is not None:
@@ -252,16 +272,24 @@ def tile_model_line(config: MoEmbConfig, tokens: int, slot_skip: float) -> str:
 def print_adaptive_table(rows: list[AdaptiveBenchRow], title: str, config: MoEmbConfig) -> None:
     print_table(
         title,
-        ["action", "ms", "emb/s", "FLOPs saving", "ideal ×", "realised ×", "of ideal", "time model ×",
-         "of time model", "max |Δ| vs masked", "target", "verdict"],
+        ["action", "ms", "routed experts ms", "emb/s", "FLOPs saving", "ideal ×", "realised ×", "of ideal",
+         "time model ×", "of time model", "max |Δ| vs masked", "target", "verdict"],
         [
-            [r.action, r.ms, r.embeddings_per_second, f"{r.flops_saving:.1%}", f"{r.ideal_speedup:.3f}",
+            [r.action, r.ms, r.parts_ms["routed"], r.embeddings_per_second, f"{r.flops_saving:.1%}",
+             f"{r.ideal_speedup:.3f}",
              f"{r.realised_speedup:.3f}", f"{r.share_of_ideal:.0%}", f"{r.time_model_speedup:.3f}",
              f"{r.share_of_time_model:.0%}", r.max_abs_diff_vs_masked, r.target,
              "" if r.met is None else ("met" if r.met else "MISSED")]
             for r in rows
         ],
     )  # fmt: skip
+    full = next(r for r in rows if r.action == "full (packed)")
+    console.print(
+        "full compute (packed), share of time / of logical FLOPs: "
+        + ", ".join(f"{part} {full.parts_ms[part] / full.ms:.0%} / {full.flops_shares[part]:.0%}"
+                    for part in ("vision", "mixers", "moe", "routed"))  # fmt: skip
+        + " (routed experts are part of the MoE blocks)"
+    )
     missed = [r for r in rows if r.met is False]
     console.print(
         f"{sum(r.met is True for r in rows)} of {sum(r.met is not None for r in rows)} targets met. Realised: full "

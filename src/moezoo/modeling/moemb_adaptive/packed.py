@@ -4,9 +4,9 @@ saves into wall-clock time. Selected by `AdaptiveSettings.execution = "packed"` 
 
     state      h [1, T, d] (the real tokens of every item back to back), segment ids, cu_seqlens [B + 1], max_seqlen,
                the original MRoPE positions gathered (never renumbered), modality, is_pooled (`TokenMetadata`)
-    per layer  token mixer on the packed row: Gated DeltaNet and attention see each item on its own
-               (`varlen_mixer`); MoE: the shared expert on every row, the routed experts only on the kept
-               (token, slot) pairs, gathered into a compact list (`compacted_experts`): a skipped slot costs nothing
+    per layer  token mixer on the packed row, each item on its own (below); MoE: the shared expert on every row, the
+               routed experts only on the kept (token, slot) pairs, gathered into a compact list
+               (`compacted_experts`): a skipped slot costs nothing
     pruning    after a layer that drops tokens, every per-token tensor is index-selected (`TokenMetadata.gather`,
                `AdaptiveForward.remove_dropped` on the single row) and cu_seqlens recomputed from the segment ids
     end        final norm, the pooled row of each segment, L2-normalised; the hidden states are put back in the
@@ -19,10 +19,12 @@ reference of the same action to float rounding (the masked forward moves each ro
 Gated DeltaNet layers see the same neighbours as the packed row; both differ from the training-time masked
 approximation of spec A-18, where a dropped token stays in the conv window).
 
-Token mixers: on the CPU each layer runs on a right-padded `(B, max_seqlen)` view of the packed row (one batched
-call; causal layers never read the padding that follows an item's tokens, so every item is computed alone, exactly);
-on a GPU, flash-linear-attention's varlen Gated DeltaNet and flash-attention's varlen kernel read `cu_seqlens`
-directly (`moezoo.modeling.moemb.packed_gated_delta_net`, attention with `attn_implementation="flash_attention_2"`).
+Token mixers (`moezoo.modeling.moemb`, shared with packed full compute): a Gated DeltaNet layer runs the stock layer
+once per item on the CPU (exact; its PyTorch fallbacks would carry the state across items, spec §3.14) and fla's
+varlen kernels with `cu_seqlens` for the delta rule and the convolution on a GPU; attention gets a block-diagonal
+causal mask, and flash-attention's varlen arguments with `attn_implementation="flash_attention_2"`. (A right-padded
+`(B, max_seqlen)` view run in one batched call was measured on the CPU: 1.3-1.8× slower for the Gated DeltaNet fallback,
+12% faster for attention, about 1% of a forward: not worth a second path.)
 
 How a new per-token action plugs in: decide in `AdaptiveForward` (forward.py) as the existing ones do; every
 decision is taken on the token order of the current layout, so it works masked and packed alike.
@@ -47,8 +49,8 @@ from torch import nn
 
 @dataclass
 class PaddedBatch:
-    """Where the real tokens of a `(B, S)` padded batch go in its packed row: token `b, s` with `attention_mask[b, s]`
-    is row `position[b, s]` of `(1, T)`, items in order, each item's tokens in order."""
+    """Where the real tokens of a `(B, S)` padded batch go in its packed `(1, T)` row: items in order, each item's
+    real tokens in order (left or right padding alike)."""
 
     real: torch.Tensor  # (B, S) bool
     cu_seqlens: torch.Tensor  # (B + 1,) int32
@@ -76,19 +78,6 @@ class PaddedBatch:
         padded = packed.new_zeros((*self.real.shape, *packed.shape[2:]))
         padded[self.real] = packed[0]
         return padded
-
-
-def varlen_mixer(mixer: Callable[..., torch.Tensor], hidden_states: torch.Tensor,
-                 layout: tuple[torch.Tensor, torch.Tensor], per_token: tuple[torch.Tensor, ...] = (),
-                 **kwargs) -> torch.Tensor:  # fmt: skip
-    """A causal token mixer on a packed `(1, T, H)` row, each item on its own: `mixer(x, *per_token, **kwargs)` runs
-    once on the right-padded `(B, max_seqlen, H)` view `layout` (`PackedSequences.padded_layout`: the packed index of
-    every item's tokens, left-aligned, and the mask of the real ones; `per_token`: `(1, T, ...)` tensors gathered
-    alike, e.g. the rotary cos and sin), and the real rows are packed back. Exact for causal mixers: an item's tokens
-    come first in their row, and what follows them (padding) is never read by them."""
-    index, real = layout
-    padded = [tensor[0, index] for tensor in (hidden_states, *per_token)]
-    return mixer(*padded, **kwargs)[real][None]
 
 
 class _CompactedExperts(nn.Module):
