@@ -348,6 +348,10 @@ def test_bad_gates_and_missing_modules_name_the_option(base, inputs):
                     adaptive={"expert_skip": "learned", "skip_threshold": 1.5})  # fmt: skip
     with pytest.raises(ValueError, match="moe_variant='modality' .* no efficiency_head"):
         GateModules(efficiency_head="grpo").validate(LAYERS, "modality")
+    with pytest.raises(ValueError, match="gates.layer_skip: a model of 4 blocks has no block from 3 to L-2"):
+        GateModules(layer_skip=True).validate(4, "native")
+    with pytest.raises(ValueError, match="gates.layer_skip_blocks=\\[7\\] must list distinct blocks from 0 to 6"):
+        GateModules(layer_skip=True, layer_skip_blocks=[7]).validate(LAYERS, "native")
     model = make_model(dict(token_pruner=True))
     with pytest.raises(ValueError, match="training the token pruner runs masked"):
         with controlled_gates(model, GateControl(train=True)):
