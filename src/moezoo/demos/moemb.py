@@ -7,6 +7,10 @@
 3. LoRA contrastive training (the paper's recipe, shortened) on synthetic retrieval in MMEB's training format:
    image + instruction queries against caption targets, and caption queries against image targets.
 4. MMEB's protocol (hit@1 of the positive among each query's candidates) on held-out queries, before and after.
+5. Adaptive computation on the trained model: an inference action (MoDES at 30% of the routed slots + GDN-β keeping
+   half the visual tokens) and a short GRPO run over the efficiency gates, each evaluated as in 4 beside full
+   compute, with its logical FLOPs saving and speed; the GRPO policy's per-layer skip and drop rates by modality
+   (the paper's Fig. 9) are written as a PNG.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from transformers import AutoTokenizer, Qwen3_5MoeConfig, Qwen3_5MoeForCondition
 
 from ..configuration.moemb import TINY_MOEMB, MoEmbConfig
 from ..conversion.moemb_qwen3_5 import convert_qwen3_5_checkpoint
-from ..evaluation.moemb import evaluate_mmeb
+from ..evaluation.moemb import ForwardTally, evaluate_mmeb
 from ..modeling.moemb import MoEmbForEmbedding
+from ..modeling.moemb_adaptive import calibrate_modes
 from ..processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 from ..processors.moemb import MoEmbProcessor
 from ..terminal import console, print_table
-from ..training.moemb import LoraOptions, MoEmbTrainingOptions, train_moemb
+from ..training.moemb import LoraOptions, MoEmbTrainingOptions, load_mmeb_dataset, train_moemb
+from ..training.moemb_grpo import GrpoOptions, train_moemb_grpo
 from ..training.moemb_synthetic import DIRECTIONS, ShapeRetrieval
 
 NUM_CANDIDATES = 8
@@ -101,8 +107,9 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     console.print(f"LoRA contrastive training: {steps} steps, batch {options.batch_size}, image->text and text->image")
     training = train_moemb(converted, training_set, out_dir / "trained", options, overwrite=True)
     trained = out_dir / "trained"
-    after = evaluate_mmeb(MoEmbForEmbedding.from_pretrained(trained), MoEmbProcessor.from_pretrained(trained), tasks,
-                          progress=False)  # fmt: skip
+    model, processor = MoEmbForEmbedding.from_pretrained(trained).eval(), MoEmbProcessor.from_pretrained(trained)
+    with torch.no_grad(), ForwardTally(model) as full_compute:  # also the baseline of step 5's speedups
+        after = evaluate_mmeb(model, processor, tasks, progress=False)
 
     hits = {"before": {row["task"]: row["score"] for row in before["tasks"]},
             "after": {row["task"]: row["score"] for row in after["tasks"]}}  # fmt: skip
@@ -112,4 +119,46 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         [[task, hits["before"][task], hits["after"][task], 1 / NUM_CANDIDATES] for task in hits["before"]],
     )
     console.print(f"wrote {trained / 'training_curves.png'} and {trained / 'routing_heatmap.png'}")
-    return {"max_abs_diff": difference, "hit@1": hits, "training": training}
+    full = {"hit@1": after["overall"], "flops_saving": 0.0,
+            "embeddings_per_second": full_compute.throughput()["embeddings_per_second"]}  # fmt: skip
+    adaptive = adaptive_computation(model, processor, trained, full, data, tasks, out_dir / "grpo", quick)
+    return {"max_abs_diff": difference, "hit@1": hits, "training": training, "adaptive": adaptive}
+
+
+def adaptive_computation(model: MoEmbForEmbedding, processor: MoEmbProcessor, trained: Path, full: dict,
+                         data: ShapeRetrieval, tasks: Path, grpo_out: Path, quick: bool) -> dict:  # fmt: skip
+    """MoDES + GDN-β and a short GRPO run over the efficiency gates on the trained model (`model`, from `trained`),
+    each evaluated on the tasks beside full compute (`full`, its results): mean hit@1, logical FLOPs saving,
+    embeddings per second and speedup."""
+    calibration = load_mmeb_dataset(data.training_dataset(8, torch.Generator().manual_seed(7)))
+    batch = processor([example[side] for example in calibration for side in ("query", "target")])
+    modes = calibrate_modes(model, [batch], target_skip=0.3, grid_points=6)
+
+    steps = 4 if quick else 8
+    console.print(f"GRPO over the efficiency gates: {steps} steps, 8 pairs, 4 rollouts each (learning rate raised "
+                  "for so few steps)")  # fmt: skip
+    options = GrpoOptions(steps=steps, batch_size=8, rollouts=4, learning_rate=0.1, logging_steps=1,
+                          execution="masked")  # fmt: skip
+    training_set = data.training_dataset(steps * options.batch_size, torch.Generator().manual_seed(1))
+    grpo = train_moemb_grpo(trained, training_set, grpo_out, options, overwrite=True)
+    policy = MoEmbForEmbedding.from_pretrained(grpo_out).eval()
+
+    runs = {"MoDES 30% + GDN-β keep 0.5": (model, modes | {"token_pruning": "gdn_beta"}),
+            "GRPO gates (greedy)": (policy, policy.config.adaptive)}  # fmt: skip
+    results = {"full compute": full}
+    for name, (run_model, settings) in runs.items():
+        run_model.config.adaptive = settings
+        with torch.no_grad(), ForwardTally(run_model) as tally:
+            scores = evaluate_mmeb(run_model, processor, tasks, progress=False)
+        results[name] = {"hit@1": scores["overall"], "flops_saving": tally.summary()["flops_saving"],
+                         "embeddings_per_second": tally.throughput()["embeddings_per_second"]}  # fmt: skip
+    full_speed = full["embeddings_per_second"]
+    print_table(
+        "MoEMB adaptive computation on the trained model (MMEB hit@1 over both tasks; speed on this CPU)",
+        ["run", "hit@1", "FLOPs saving", "embeddings/s", "speedup"],
+        [[name, row["hit@1"], row["flops_saving"], row["embeddings_per_second"],
+          row["embeddings_per_second"] / full_speed] for name, row in results.items()],
+    )  # fmt: skip
+    console.print(f"wrote {grpo_out / 'grpo_curves.png'} and {grpo_out / 'action_rates.png'} (skip and drop rates per "
+                  "layer and modality, the paper's Fig. 9)")  # fmt: skip
+    return {"runs": results, "grpo": grpo}
