@@ -26,15 +26,16 @@ from .callbacks import LogsStepMeans
 from .smoes import modality_routing
 
 
-# The settings the command line sets: (option, type or choices, help); each is the `SmoesSettings` field of its name.
+# The settings the command line sets: (option, type or choices, metavar, help); each is the `SmoesSettings` field of
+# its name.
 SMOES_OPTIONS = (
-    ("--smoes-num-bins", int, "bins per MoE layer (must divide the experts)"),
-    ("--smoes-score-type", SCORE_TYPES, "the soft modality score"),
-    ("--smoes-mi-coef", float, "alpha_MI, weight of the negative inter-bin mutual information"),
-    ("--smoes-bal-coef", float, "alpha_bal, weight of the bin-level balance loss"),
-    ("--smoes-binning", BINNING_TYPES, "adaptive bins or fixed contiguous ones (an ablation)"),
-    ("--smoes-ep-devices", int, "expert-parallel devices the bins are placed on (must divide the bins)"),
-    ("--smoes-mi-warmup-steps", int, "linear warm-up of alpha_MI over this many training forwards"),
+    ("--smoes-num-bins", int, "N", "bins per MoE layer (must divide the experts)"),
+    ("--smoes-score-type", SCORE_TYPES, None, "the soft modality score"),
+    ("--smoes-mi-coef", float, "ALPHA", "alpha_MI, weight of the negative inter-bin mutual information"),
+    ("--smoes-bal-coef", float, "ALPHA", "alpha_bal, weight of the bin-level balance loss"),
+    ("--smoes-binning", BINNING_TYPES, None, "adaptive bins or fixed contiguous ones (an ablation)"),
+    ("--smoes-ep-devices", int, "D", "expert-parallel devices the bins are placed on (must divide the bins)"),
+    ("--smoes-mi-warmup-steps", int, "N", "linear warm-up of alpha_MI over this many training forwards"),
 )
 
 
@@ -42,23 +43,21 @@ def add_smoes_arguments(parser) -> None:
     defaults = SmoesSettings()
     group = parser.add_argument_group("SMoES", "the SMoES routing regulariser on the language experts (docs/smoes.md)")
     group.add_argument("--smoes", action="store_true",
-                       help="train with SMoES: its bin-level balance and inter-bin MI losses replace the language "
-                            "experts' load balancing; the model is saved with its SMoES settings and buffers")  # fmt: skip
-    for option, kind, help_text in SMOES_OPTIONS:
+                       help="train the language experts' routers with SMoES' bin-level balance and inter-bin MI losses "
+                            "(in place of their load balancing, where the model has one); the model is saved with "
+                            "its SMoES settings and buffers")  # fmt: skip
+    for option, kind, metavar, help_text in SMOES_OPTIONS:
         default = getattr(defaults, option[2:].replace("-", "_"))
         if isinstance(kind, tuple):
             group.add_argument(option, choices=kind, help=f"{help_text} (default {default})")
         else:
-            group.add_argument(option, type=kind, help=f"{help_text} (default {default})")
+            group.add_argument(option, type=kind, metavar=metavar, help=f"{help_text} (default {default})")
 
 
 def smoes_settings_from_args(args) -> SmoesSettings | None:
     """The settings of `--smoes` and its options (None without `--smoes`; an option without it is refused)."""
-    given = {
-        option[2:].replace("-", "_"): getattr(args, option[2:].replace("-", "_"))
-        for option, _, _ in SMOES_OPTIONS
-        if getattr(args, option[2:].replace("-", "_")) is not None
-    }
+    fields = [option[2:].replace("-", "_") for option, *_ in SMOES_OPTIONS]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
     if not args.smoes:
         if given:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
