@@ -9,8 +9,8 @@ SMoES adds no parameter, so the conversion is a copy, made in the order the spec
    2D tensors on disk -> fused 3D experts; Qwen3-VL-MoE's transposed fused experts -> the in-memory layout), in the
    checkpoint's dtype;
 2. the SMoES config is the source's config plus the `smoes_*` fields;
-3. every source tensor is placed in the SMoES model as it is, and accounted for: no unexpected key, nothing missing but the
-   SMoES buffers, every tensor (parameters and buffers, persistent or not) bit-exact;
+3. every source tensor is placed in the SMoES model as it is, and accounted for: no unexpected key, nothing missing but
+   the SMoES buffers, every tensor (parameters and buffers, persistent or not) bit-exact;
 4. optionally (`calibrate`), training-mode forwards without gradient on synthetic image-text batches initialise the
    Gaussian statistics, the dispatch counts and the bins, so that the first training step sees non-trivial scores;
 5. max |Δ| of the logits against the source model on a synthetic image-text batch is measured (0 by construction:

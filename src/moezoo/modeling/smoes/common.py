@@ -29,9 +29,8 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from ..moe.pretrained import checkpoints_reentrantly
-from ..moe.smoes.regularizer import apply_smoes, check_routers_trainable
-from ..moe.smoes.scores import hard_modality
+from ..moe.smoes.host import check_smoes_training, token_modality
+from ..moe.smoes.regularizer import apply_smoes
 from ..moe.smoes.state import SmoesLayerState, SmoesRuntime
 
 
@@ -116,9 +115,8 @@ class SmoesTextModelMixin:
     @property
     def moe_blocks(self) -> dict[int, SmoesSparseMoeBlockMixin]:
         """The SMoES sparse block of each MoE layer by layer index (layers with a dense MLP have none)."""
-        return {
-            index: layer.mlp for index, layer in enumerate(self.layers) if isinstance(layer.mlp, SmoesSparseMoeBlockMixin)
-        }
+        blocks = {index: layer.mlp for index, layer in enumerate(self.layers)}
+        return {index: block for index, block in blocks.items() if isinstance(block, SmoesSparseMoeBlockMixin)}
 
     @property
     def smoes_states(self) -> list[SmoesLayerState]:
@@ -253,20 +251,11 @@ class SmoesForConditionalGenerationMixin:
         return sum(p.numel() for p in self.parameters()) - round(routed * unused_share)
 
     def _check_smoes_training(self, language_model: SmoesTextModelMixin) -> None:
-        text_config = self.config.text_config
-        if torch.is_grad_enabled():
-            routers = {
-                f"model.language_model.layers.{index}.mlp.gate.weight": block.gate.weight
-                for index, block in language_model.moe_blocks.items()
-            }
-            check_routers_trainable(text_config, routers)
-        if checkpoints_reentrantly(language_model):
-            raise ValueError(
-                "SMoES losses need non-reentrant gradient checkpointing: reentrant checkpointing records the router "
-                "logits without gradients, so the routers would silently not train; use the default, "
-                "model.activation_checkpointing_enable(), or activation_checkpointing_kwargs={'use_reentrant': False}, "
-                f"or set {type(text_config).__name__}.smoes_enabled=False"
-            )
+        routers = {
+            f"model.language_model.layers.{index}.mlp.gate.weight": block.gate.weight
+            for index, block in language_model.moe_blocks.items()
+        }
+        check_smoes_training(self.config.text_config, language_model, routers)
 
     def _smoes_token_modality(
         self,
@@ -277,27 +266,14 @@ class SmoesForConditionalGenerationMixin:
     ) -> tuple[torch.LongTensor, torch.Tensor]:
         """(B, T) hard modality (spec §2.1: `mm_token_type_ids`, or the image/video placeholders of `input_ids`)
         and (B, T) validity of the tokens."""
-        text_config = self.config.text_config
-        if mm_token_type_ids is not None:
-            modality = hard_modality(mm_token_type_ids, text_config.smoes_vision_token_types)
-        elif input_ids is not None:
-            placeholders = torch.tensor([self.config.image_token_id, self.config.video_token_id], device=input_ids.device)
-            modality = torch.isin(input_ids, placeholders).long()
-        else:
-            raise ValueError(
-                "SMoES training needs each token's modality: pass mm_token_type_ids (the Qwen3-VL processor returns "
-                "it) or input_ids, or set text_config.smoes_enabled=False"
-            )
-        batch_shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        if modality.shape != batch_shape:
-            raise ValueError(
-                f"mm_token_type_ids has shape {tuple(modality.shape)}, expected {tuple(batch_shape)} (one per token)"
-            )
-        if attention_mask is None:
-            return modality, torch.ones(batch_shape, dtype=torch.bool, device=modality.device)
-        if attention_mask.shape != batch_shape:
-            raise ValueError(
-                f"SMoES training needs a 2D padding attention_mask of shape {tuple(batch_shape)}, got "
-                f"{tuple(attention_mask.shape)}"
-            )
-        return modality, attention_mask.bool()
+        placeholders = None
+        if input_ids is not None:
+            placeholder_ids = [self.config.image_token_id, self.config.video_token_id]
+            placeholders = torch.isin(input_ids, torch.tensor(placeholder_ids, device=input_ids.device))
+        return token_modality(
+            (input_ids if input_ids is not None else inputs_embeds).shape[:2],
+            mm_token_type_ids=mm_token_type_ids,
+            vision_token_types=self.config.text_config.smoes_vision_token_types,
+            vision_token_mask=placeholders,
+            attention_mask=attention_mask,
+        )
