@@ -123,6 +123,31 @@ def test_moemb_attention_score_is_carried_through_gated_deltanet_layers(moemb, m
     assert not torch.equal(seen[0][states[3]][valid], hard[valid])
 
 
+@pytest.mark.parametrize("host", ["moemb", "omnimoe_vl"])
+def test_attention_score_is_the_head_mean_of_the_attention_weights(host, moemb, moemb_inputs, omnimoe, omnimoe_inputs,
+                                                                    monkeypatch):  # fmt: skip
+    """The hooks' score at the first softmax-attention layer (MoEMB: 3, after three Gated DeltaNet layers; OmniMoE-VL:
+    0) against spec §2.1.1 written out with the layer's own eager attention weights: M = (|x_attn| mean_h(A) M0 +
+    |x| M0) / (|x_attn| + |x|), MRoPE and left padding included."""
+    base, inputs, index, image_token = {
+        "moemb": (moemb, moemb_inputs, 3, 120), "omnimoe_vl": (omnimoe, omnimoe_inputs, 0, 150),
+    }[host]  # fmt: skip
+    model = with_smoes(base, smoes_score_type="attention").train()
+    model.set_attn_implementation("eager")
+    runtime, layer = model.model.language_model.smoes.runtime, model.model.language_model.layers[index]
+    seen, stop = {}, runtime.stop
+    monkeypatch.setattr(runtime, "stop", lambda: (seen.update(runtime.layer_scores), stop()))
+    layer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(x=args[0]), with_kwargs=True)
+    layer.self_attn.register_forward_hook(lambda module, args, output: seen.update(x_attn=output[0], weights=output[1]))
+    model(**inputs)
+    hard = torch.nn.functional.one_hot((inputs["input_ids"] == image_token).long(), 2).float()
+    mixed = seen["weights"].float().mean(dim=1) @ hard
+    x_attn, x = seen["x_attn"].float().norm(dim=-1, keepdim=True), seen["x"].float().norm(dim=-1, keepdim=True)
+    expected = (x_attn * mixed + x * hard) / (x_attn + x)
+    valid = inputs["attention_mask"].bool()
+    torch.testing.assert_close(seen[layer.mlp.smoes][valid], expected[valid], atol=1e-6, rtol=0)
+
+
 def test_moemb_with_smoes_off_is_the_model_without_it(moemb, moemb_inputs):
     """E2-style: `smoes_enabled=False` (buffers kept) trains as the model without SMoES: no SMoES term, the
     same embeddings, hence the same InfoNCE loss; the buffers stay as they are."""

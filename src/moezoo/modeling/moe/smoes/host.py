@@ -68,6 +68,7 @@ class AttentionScoreTap:
         attention.register_forward_hook(self._advance)
 
     def _enter(self, module, args, kwargs) -> None:
+        self._call = self._query = None  # nothing left from a forward that failed halfway
         if not self.runtime.tracks_attention:
             return
         if "position_embeddings" not in kwargs:
