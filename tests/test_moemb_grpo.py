@@ -17,13 +17,15 @@ from conftest import run_python
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.hub.export import export_folder
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead
+from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead, GateControl, controlled_gates
 from moezoo.training.moemb_grpo import (
     GatePolicyGRPOTrainer,
     GrpoOptions,
     grpo_config,
     group_advantages,
     in_batch_accuracy,
+    mean_log_prob,
+    policy_settings,
     prepare_policy_model,
     replay,
     replayed_log_prob,
@@ -119,6 +121,17 @@ def test_group_size_below_two_is_refused_naming_the_option(tmp_path):
         GrpoOptions(temperature=0).validate()
 
 
+def test_options_that_do_not_apply_to_grpo_are_refused(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--data", "d", "--out", str(tmp_path / "o"), "--grpo", "--chunk-size",
+                              "2", "--negatives"])  # fmt: skip
+    with pytest.raises(ValueError, match="--chunk-size, --negatives do not apply to --grpo"):
+        run_train(args)
+    with pytest.raises(ValueError, match="--rollouts"):
+        run_train(parser.parse_args(["--model", "m", "--data", "d", "--out", "o", "--grpo", "--rollouts", "1"]))
+
+
 def test_grpo_config_carries_the_options():
     options = GrpoOptions(steps=3, batch_size=4, rollouts=4, temperature=0.7, epsilon=0.1)
     args = grpo_config("unused", options)
@@ -151,7 +164,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def batch():
-    return collate_pairs(TASK.pairs(4, torch.Generator().manual_seed(0)))["inputs"]
+    """Four pairs, the targets shorter than the queries (right padding)."""
+    short = RedundantTokenRetrieval(emb_token_id=EMB, num_fillers=5)
+    pairs = [{"query": TASK.item(label, TASK.query_marker_id), "target": short.item(label, short.target_marker_id),
+              "label": label} for label in (3, 1, 4, 1)]  # fmt: skip
+    return collate_pairs(pairs)["inputs"]
 
 
 def test_replayed_log_probs_equal_the_sampled_ones(model, batch):
@@ -180,20 +197,24 @@ def test_the_pooled_token_never_drops(batch):
     assert bool(torch.isfinite(rollouts.embeddings).all())
 
 
-def test_each_samples_rollout_is_its_own(model, batch):
+def forced_forward(model, inputs: dict, actions: torch.Tensor, execution: str):
+    control = GateControl(policy="forced", actions=actions)
+    with torch.no_grad(), controlled_gates(model, control):
+        output = model(**inputs, adaptive=policy_settings(execution))
+    return output.embeddings, mean_log_prob(control)
+
+
+@pytest.mark.parametrize("execution", ["masked", "packed"])
+def test_each_samples_rollout_is_its_own(model, batch, execution):
     """Forced actions give a sample the embedding and log-probability it gets alone (no batch neighbours)."""
-    rollouts = sample_rollouts(model, batch, 1, 1.0, "masked", torch.Generator().manual_seed(2))
-    control_batch = {key: value for key, value in batch.items()}
-    with torch.no_grad():
-        together = replayed_log_prob(model, control_batch, rollouts.actions[0], 1.0, "masked")
+    actions = sample_rollouts(model, batch, 1, 1.0, execution, torch.Generator().manual_seed(2)).actions[0]
+    embeddings, log_probs = forced_forward(model, batch, actions, execution)
     for row in (0, 5):
         length = int(batch["attention_mask"][row].sum())
         alone = {key: value[row : row + 1, :length] for key, value in batch.items()}
-        with torch.no_grad():
-            log_prob = replayed_log_prob(model, alone, rollouts.actions[0][row : row + 1, :length], 1.0, "masked")
-            sampled = sample_rollouts(model, alone, 1, 1.0, "masked", torch.Generator().manual_seed(3))
-        torch.testing.assert_close(log_prob, together[row : row + 1], atol=1e-5, rtol=0)
-        assert sampled.embeddings.shape == (1, 1, 64)
+        embedding, log_prob = forced_forward(model, alone, actions[row : row + 1, :length], execution)
+        torch.testing.assert_close(embedding, embeddings[row : row + 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(log_prob, log_probs[row : row + 1], atol=1e-5, rtol=0)
 
 
 def test_replay_gives_the_joint_gradients_and_only_heads_get_them(model, batch):
