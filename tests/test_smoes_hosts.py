@@ -484,3 +484,33 @@ def test_the_trainers_log_the_smoes_terms_of_each_forward(moemb, moemb_inputs):
     torch.testing.assert_close(recorder._step_totals["smoes/mi_layer_3"],
                                (outputs[0].smoes_mi[3] + outputs[1].smoes_mi[3]) / 2)  # fmt: skip
     assert Recorder().record_smoes_terms(outputs[2:]) is None
+
+
+def test_an_exported_smoes_model_loads_without_moezoo(omnimoe, omnimoe_inputs, tmp_path):
+    """`moezoo export` of an OmniMoE-VL trained one step with SMoES: in a process without moezoo, transformers loads
+    it from the flattened code with its SMoES settings and buffers, and its logits are the saved model's."""
+    from conftest import run_moezoo, run_python
+
+    from moezoo.processors.build_omnimoe_vl import make_omnimoe_vl_processor
+
+    model = with_smoes(omnimoe).train()
+    model(**omnimoe_inputs)
+    model.eval().save_pretrained(tmp_path / "created")
+    make_omnimoe_vl_processor(model.config).save_pretrained(tmp_path / "created")
+    inputs = {name: value for name, value in omnimoe_inputs.items() if name != "labels"}
+    with torch.no_grad():
+        torch.save({"inputs": inputs, "logits": model(**inputs).logits, "buffers": smoes_buffers(model)},
+                   tmp_path / "expected.pt")  # fmt: skip
+    result = run_moezoo("export", tmp_path / "created", "--out", tmp_path / "exported", "--repo-id", "zoo/smoes")
+    assert result.returncode == 0, result.stderr
+    run_python(f"""
+        import torch, transformers
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        model = transformers.AutoModelForImageTextToText.from_pretrained({str(tmp_path / "exported")!r},
+                                                                         trust_remote_code=True).eval()
+        assert model.config.smoes["smoes_num_bins"] == 2 and int(model.model.language_model.smoes.step) == 1
+        buffers = dict(model.named_buffers())
+        assert all(torch.equal(buffers[name], value) for name, value in expected["buffers"].items())
+        with torch.no_grad():
+            torch.testing.assert_close(model(**expected["inputs"]).logits, expected["logits"], atol=1e-5, rtol=0)
+    """, without_moezoo=True)
