@@ -76,8 +76,8 @@ def main(argv: list[str]) -> None:
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
 
 
-def run_distributed(arch: str, folders, out, *flags, check: bool = True):
-    return run_processes(__file__, arch, *folders[arch], out, *flags, nproc=WORLD, timeout=300, check=check)
+def run_distributed(arch: str, folders, out, *flags):
+    return run_processes(__file__, arch, *folders[arch], out, *flags, nproc=WORLD, timeout=300)
 
 
 @pytest.fixture(scope="module")
