@@ -46,8 +46,10 @@ from test_distributed_training import train as train_full
 from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
 
 
-def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, expert_lora: str = "shared") -> dict:
-    if arch == "moe_vie":  # no adapters: sharded after loading for its 0-d logit_scale
+def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, expert_lora: str = "shared",
+          lora: bool = True) -> dict:  # fmt: skip
+    """One run of the training command (`lora=False`: MoTE's joint training in full, as test_distributed_training's)."""
+    if arch == "moe_vie" or not lora:  # MoE-ViE: no adapters; sharded after loading for its 0-d logit_scale
         return train_full(arch, model, out, batch_size, fsdp, ep)
     common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, fsdp=fsdp, ep=ep)
     if arch == "moemb":
@@ -127,18 +129,25 @@ def test_moe_vie_sharded_trains_as_one_process(flag, moe_vie_even_experts, tmp_p
 
 
 @pytest.mark.slow
-def test_a_sharded_run_resumes_from_its_distributed_checkpoint(moe_vie_even_experts, tmp_path):
+@pytest.mark.parametrize("arch", ["moe_vie", "mote"])
+def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_even_experts, videollm_folder,  # noqa: F811
+                                                               tmp_path):  # fmt: skip
     """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, an FSDP2 run ends with the
-    weights of one uninterrupted process; the saved folder loads in a fresh process."""
-    train("moe_vie", moe_vie_even_experts, tmp_path / "one", GLOBAL_BATCH)
+    weights of one uninterrupted process: MoE-ViE, sharded after loading (its logit_scale whole), and MoTE, sharded
+    while loading, whose experts of a route not drawn before the checkpoint have no optimizer state there. MoE-ViE's
+    saved folder loads in a fresh process."""
+    model = {"moe_vie": moe_vie_even_experts, "mote": videollm_folder}[arch]
+    train(arch, model, tmp_path / "one", GLOBAL_BATCH, lora=False)
     out, flags = tmp_path / "out", ("--fsdp", WORLD, "--save-steps", 1)
-    stopped = run_distributed("moe_vie", moe_vie_even_experts, out, *flags, "--stop-at", 2, check=False)
+    stopped = run_distributed(arch, model, out, *flags, "--stop-at", 2, check=False)
     assert stopped.returncode != 0 and not out.exists()
     checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
     assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() and (checkpoint / "scheduler.pt").is_file()
-    run_distributed("moe_vie", moe_vie_even_experts, out, *flags, "--resume")
+    run_distributed(arch, model, out, *flags, "--resume")
     assert not (tmp_path / "out.checkpoints").exists()
     assert_same_weights(out, tmp_path / "one")
+    if arch == "mote":
+        return
     run_python(f"""
         import torch
         from safetensors.torch import load_file

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -37,13 +38,12 @@ class ShardedCheckpointsMixin:
     """A `transformers.Trainer` mixin (placed before `Trainer`) that checkpoints and resumes a model sharded with
     `--fsdp` / `--ep` (see the module docstring); a model that is not sharded checkpoints as the Trainer does."""
 
-    def __init__(self, *args, **kwargs):
-        model, training_args = kwargs.get("model"), kwargs.get("args")
+    def __init__(self, model=None, args=None, *more, **kwargs):  # Trainer's first two parameters
         self.sharded = getattr(model, "is_distributed_loading_by_transformers", False)
-        if self.sharded and training_args is not None:
+        if self.sharded and args is not None:
             # What the Trainer requires of a model sharded at load; the rest of the checkpoint is written here.
-            training_args.save_only_model = True
-        super().__init__(*args, **kwargs)
+            args.save_only_model = True
+        super().__init__(model, args, *more, **kwargs)
 
     def _unwrapped_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's AcceleratedOptimizer
@@ -77,9 +77,17 @@ class ShardedCheckpointsMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.sharded or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        optimizer = self._unwrapped_optimizer()
+        optimizer, path = self._unwrapped_optimizer(), os.path.join(checkpoint, DISTRIBUTED_CHECKPOINT)
         _, optimizer_state = get_state_dict(self.model, optimizer)
-        state = {"optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint, DISTRIBUTED_CHECKPOINT))
-        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        # `get_state_dict` gives every parameter a state; those without one in the checkpoint (not trained yet then,
+        # e.g. MoTE's experts of routes not drawn yet) get none, as in the uninterrupted run, where Adam starts
+        # their state (and step count) at their first update.
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        optimizer_state["state"] = {
+            name: state
+            for name, state in optimizer_state["state"].items()
+            if all(f"optimizer.state.{name}.{key}" in saved for key in state)
+        }
+        dcp.load({"optimizer": optimizer_state}, checkpoint_id=path)
+        set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=StateDictOptions(strict=False))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
