@@ -486,6 +486,7 @@ def test_the_trainers_log_the_smoes_terms_of_each_forward(moemb, moemb_inputs):
     assert Recorder().record_smoes_terms(outputs[2:]) is None
 
 
+@pytest.mark.slow  # two fresh processes (export, then load without moezoo)
 def test_an_exported_smoes_model_loads_without_moezoo(omnimoe, omnimoe_inputs, tmp_path):
     """`moezoo export` of an OmniMoE-VL trained one step with SMoES: in a process without moezoo, transformers loads
     it from the flattened code with its SMoES settings and buffers, and its logits are the saved model's."""
