@@ -37,9 +37,11 @@ from transformers import Trainer, TrainerCallback, set_seed
 from .. import __version__
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
+from ..configuration.smoes_settings import SmoesSettings
 from ..modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from ..modeling.omnimoe_vl_projector import ROUTING_OBJECTIVES, OmniMoeVlDepthRouter
 from ..processors.images import open_image
+from ..modeling.smoes.zoo import enable_smoes
 from ..processors.omnimoe_vl import OmniMoeVlProcessor
 from ..terminal import console, print_table
 from .arguments import (
@@ -51,10 +53,18 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
 from .distributed import check_enough_examples, load_for_training, main_process_output_dir, refuse_sharding
 from .plots import plot_log_history
+from .smoes_hosts import (
+    LogsSmoesTerms,
+    add_smoes_arguments,
+    evaluation_routing,
+    smoes_panels,
+    smoes_settings_from_args,
+    write_modality_routing,
+)
 
 
 STAGES = ("I", "II", "III", "IV")
@@ -233,12 +243,12 @@ def prompt_types(dataset: datasets.Dataset) -> list[str]:
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
 
-class OmniMoeVlLoss(LogsStepMeans):
+class OmniMoeVlLoss(LogsSmoesTerms):
     """
     A `Trainer` mixin (placed before the trainer class) whose loss is the model's own `loss`, which holds the route's
     objectives, with the token routers' logits asked for (their load balancing is part of it, spec D28). It logs
     beside the loss the token balancing (`aux_loss`), the weighted sum of the route's objectives (`routing_loss`) and
-    each objective unweighted (`routing/<name>`), their means since the previous log.
+    each objective unweighted (`routing/<name>`), their means since the previous log; with SMoES, its terms too.
 
     With TRL: `class OmniMoeVlSFTTrainer(OmniMoeVlLoss, SFTTrainer)`. `SFTTrainer`'s own loss scores the backbone's
     hidden states through a fused LM head and never calls the model's forward, so the route would train on the
@@ -262,6 +272,7 @@ class OmniMoeVlLoss(LogsStepMeans):
                     self.record_step_value(name, value)
             for name, value in (outputs.routing_losses or {}).items():
                 self.record_step_value(f"routing/{name}", value)
+            self.record_smoes_terms([outputs])
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
@@ -293,6 +304,19 @@ def mean_depth_routes(
             counts[kinds[index]] += 1
     model.train(was_training)
     return {kind: totals[kind] / counts[kind] for kind in sorted(totals)}
+
+
+def smoes_evaluation_batches(dataset, collator, batch_size: int = 8, num_examples: int = 64):
+    """The first `num_examples` examples in batches, for SMoES' routing report."""
+    for start in range(0, min(num_examples, len(dataset)), batch_size):
+        yield collator([dataset[i] for i in range(start, min(start + batch_size, num_examples, len(dataset)))])
+
+
+def image_token_modality(model: OmniMoeVlForConditionalGeneration):
+    """A batch's (B, L) hard modality (vision at the image placeholders, SMoES' label on this model) and validity."""
+    return lambda batch: (
+        (batch["input_ids"] == model.config.image_token_id).long(), batch["attention_mask"].bool()
+    )
 
 
 def plot_depth_routes(routes: dict[str, torch.Tensor], path: str | Path, title: str | None = None) -> Path:
@@ -329,6 +353,7 @@ class OmniMoeVlTrainingOptions(TrainerOptions):
     train_projector: bool = True  # Stages II-III: the projector trains too (spec D19)
     lora_r: int = 0  # Stages II-IV: LoRA of this rank on the stage's experts (and attention in IV), merged at the end
     router_utility_coef: float = 0.0  # > 0: add L_util with this weight (the paper's 0.35; one more backward a step)
+    smoes: SmoesSettings | None = None  # SMoES on the language experts (`--smoes`), saved in the model's config
 
 
 def load_omnimoe_vl_model(
@@ -363,6 +388,14 @@ def train_omnimoe_vl(
     dataset = load_omnimoe_vl_dataset(data)
     check_enough_examples(len(dataset), options.batch_size)
     model, processor = load_omnimoe_vl_model(model_dir, options)
+    if options.smoes is not None:
+        enable_smoes(model, options.smoes)
+    smoes = model.config.smoes_settings()
+    if smoes is not None and options.stage in ("I", "III") and (smoes.smoes_mi_coef or smoes.smoes_bal_coef):
+        raise ValueError(
+            f"SMoES (config.smoes) trains the language routers, which Stage {options.stage} freezes: train Stage II or "
+            "IV with it, or set smoes_mi_coef and smoes_bal_coef to 0"
+        )
     if options.router_utility_coef < 0:
         raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
     if options.router_utility_coef:  # saved with the model: the next stage keeps it
@@ -396,11 +429,20 @@ def train_omnimoe_vl(
 
         panels = {"loss": "loss", "token-expert balancing": "aux_loss", "route objectives (weighted)": "routing_loss"}
         panels |= {name: f"routing/{name}" for name in ROUTING_OBJECTIVES}
+        if smoes is not None:
+            panels |= smoes_panels(len(model.model.language_model.smoes.states))
         curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
                                   title=f"OmniMoE-VL Stage {options.stage}")
         routes = mean_depth_routes(model, dataset, collator)
         heatmap = plot_depth_routes(routes, staging / "depth_routes.png",
                                     title=f"mean route weight per depth, Stage {options.stage}")
+        msi = None
+        if smoes is not None:
+            msi = write_modality_routing(
+                evaluation_routing(model, smoes_evaluation_batches(dataset, collator), image_token_modality(model)),
+                model.config.text_config.num_experts, model.config.text_config.num_experts_per_tok, staging,
+                "OmniMoE-VL language experts: share of each modality's top-k dispatches per MoE layer",
+            )  # fmt: skip
         training = {
             "summary": f"Stage {options.stage} for {options.steps} steps, batch {options.batch_size}, lr "
                        f"{learning_rate}" + (f", LoRA r={options.lora_r}" if options.lora_r else ""),
@@ -415,6 +457,8 @@ def train_omnimoe_vl(
             "frozen_parameters": counts["total"] - counts["trainable"],
             "lora_r": options.lora_r or None,
         }
+        if msi is not None:
+            training |= {"smoes_step": int(model.model.language_model.smoes.step), "msi": msi}
         provenance = read_provenance(model.name_or_path) | {"training": training, "moezoo_version": __version__}
         write_provenance(staging, provenance)
         console.print(f"wrote {curves.name} and {heatmap.name}")
@@ -443,13 +487,14 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--router-utility", type=float, default=0.0, metavar="WEIGHT",
                         help="add the router utility supervision L_util with this weight (the paper's: 0.35; one more "
                              "backward per step), saved in the model's config")
+    add_smoes_arguments(parser)
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
     options = OmniMoeVlTrainingOptions(
         **trainer_options(args), stage=args.stage, train_projector=not args.freeze_projector, lora_r=args.lora_r,
-        router_utility_coef=args.router_utility,
+        router_utility_coef=args.router_utility, smoes=smoes_settings_from_args(args),
     )
     training = train_omnimoe_vl(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
