@@ -59,6 +59,7 @@ MODES_TARGETS = (0.5, 0.75)  # shares of routed slots skipped (MoDES's own budge
 COMBINED_KEEP_RATIOS = (0.5, 0.25)
 COMBINED_SKIP_TARGETS = MODES_TARGETS
 MODES_GRID_POINTS = 16  # per threshold grid of MoDES's frontier search
+PAPER_PRUNE_DEPTH = 4 / 40  # GDN-β decides after block 4 of the A3B's 40 (spec §3.3)
 
 
 @dataclass
@@ -147,10 +148,20 @@ def time_model_speedup(parts: dict, total: float, report, top_k: int) -> float:
     return float(total / scaled)
 
 
+def prune_after_layer(layer_types: list[str]) -> int:
+    """The Gated DeltaNet block at the paper's relative depth of the GDN-β decision (block 4 of 40), or the first one
+    after it: K = 4 of a 40-layer model would leave a shallow one no layer to save."""
+    depth = round(PAPER_PRUNE_DEPTH * len(layer_types))
+    return next(i for i, kind in enumerate(layer_types) if kind == "linear_attention" and i >= depth)
+
+
 def action_settings(model: MoEmbForEmbedding, calibration: list[dict], on_step: Callable[[str], None]) -> dict:
-    """Every benchmarked action's settings: the fixed ones, MoDES at each target skip, and MoDES + GDN-β with the
-    target skip and keep ratio whose FLOPs saving is closest to the combined target's."""
-    actions = dict(FIXED_ACTIONS)
+    """Every benchmarked action's settings: the fixed ones (GDN-β deciding at the paper's relative depth), MoDES at
+    each target skip, and MoDES + GDN-β with the target skip and keep ratio whose FLOPs saving is closest to the
+    combined target's."""
+    depth = {"prune_after_layer": prune_after_layer(model.config.text_config.layer_types)}
+    actions = {name: settings | depth if "token_pruning" in settings else settings
+               for name, settings in FIXED_ACTIONS.items()}  # fmt: skip
     top_k = model.config.text_config.num_experts_per_tok
     for kept in sorted({max(top_k // 2, 1), max(top_k // 4, 1)}, reverse=True):
         actions[f"top-k' {kept}"] = dict(top_k="uniform", experts_per_token=kept)
@@ -165,7 +176,7 @@ def action_settings(model: MoEmbForEmbedding, calibration: list[dict], on_step: 
     with torch.no_grad():
         for target in COMBINED_SKIP_TARGETS:
             for keep in COMBINED_KEEP_RATIOS:
-                settings = dict(modes[target], token_pruning="gdn_beta", keep_ratio=keep)
+                settings = dict(modes[target], token_pruning="gdn_beta", keep_ratio=keep, **depth)
                 saving = np.mean([model(**batch, adaptive=settings).adaptive.flops_saving for batch in calibration])
                 candidates[(target, keep)] = (abs(saving - saving_goal), settings)
     (target, keep), (_, settings) = min(candidates.items(), key=lambda entry: entry[1][0])
