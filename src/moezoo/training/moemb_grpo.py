@@ -87,7 +87,7 @@ class GrpoOptions(TrainerOptions):
     steps: int = 200
     batch_size: int = 32  # (query, target) pairs per process: the in-batch candidates of the reward
     learning_rate: float | None = 5e-5
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01  # AdamW's (App. E.1); biases are not decayed
     rollouts: int = 8  # G
     temperature: float = 1.0  # T_s
     efficiency_weight: float = 1.0  # λ_s
@@ -564,11 +564,11 @@ def run_grpo(args) -> int:
     from .arguments import trainer_options
 
     given = {"--chunk-size": args.chunk_size is not None, "--negatives": args.negatives, "--fsdp": args.fsdp != 1,
-             "--ep": args.ep != 1}  # fmt: skip
+             "--ep": args.ep != 1, "--adaptive-recipe": getattr(args, "adaptive_recipe", None) is not None}
     misplaced = [flag for flag, present in given.items() if present]
     if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} do not apply to --grpo, which embeds each side of a batch at once "
-                         "on every process and trains only the efficiency heads")  # fmt: skip
+        raise ValueError(f"{', '.join(misplaced)} do not apply to --grpo, which embeds a batch at once on each "
+                         "process and trains only the efficiency heads, by GRPO")  # fmt: skip
     common = trainer_options(args) | {"learning_rate": args.lr or GrpoOptions.learning_rate}
     options = GrpoOptions(
         **{key: value for key, value in common.items() if key in {f.name for f in dataclasses.fields(GrpoOptions)}},
