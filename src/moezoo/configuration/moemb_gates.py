@@ -93,7 +93,7 @@ class GateModules:
         for name in ("protect_text", "token_pruner", "layer_skip"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEmbConfig.gates.{name} must be True or False, got {getattr(self, name)!r}")
-        if not (is_int(self.pruner_layer) and 0 <= self.pruner_layer < num_layers - 1):
+        if self.token_pruner and not (is_int(self.pruner_layer) and 0 <= self.pruner_layer < num_layers - 1):
             raise ValueError(
                 f"MoEmbConfig.gates.pruner_layer={self.pruner_layer!r} must be a block from 0 to {num_layers - 2}: "
                 "pruned tokens leave every later block, so the last one cannot prune"
