@@ -1,8 +1,9 @@
 """MoEMB's packed varlen execution of the adaptive forward (spec moemb.md §3.14, §10 C-14/15, D-17): packed equals
 the padded full-compute model when nothing is skipped, and the masked reference for every action (GDN-β pruning
-included, also on batches that come packed with cu_seqlens); the token mixers see each item alone; the routed experts
-run exactly the kept (token, slot) pairs; the bounds are recomputed after tokens leave. GPU kernels (fla,
-flash-attention varlen) are tested in `make gpu-check`."""
+included, also on batches that come packed with cu_seqlens); the routed experts run exactly the kept (token, slot)
+pairs; the bounds are recomputed after tokens leave; the benchmark runs. The per-segment Gated DeltaNet against each
+sequence alone is tests/test_moemb_model.py's; GPU kernels (fla, flash-attention varlen) are tested in
+`make gpu-check`."""
 
 import argparse
 import copy
