@@ -20,6 +20,8 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 
 from ..modeling.moe.spec import MoeLayerSpec
 from .moemb_adaptive import AdaptiveSettings, check_adaptive_settings
+from .moemb_gates import GateModules
+from .smoes_settings import SmoesSettings
 from .validation import is_non_negative_int, is_positive_int, require_choice, require_positive, require_token_id
 
 
@@ -49,6 +51,7 @@ class MoEmbTextConfig(Qwen3_5MoeTextConfig):
         routed_scaling_factor: multiplies the renormalised routed weights.
         modality_expert_map: the expert of each token modality (`mm_token_type_ids` 0 text, 1 image, 2 video) for
             fixed routes without a router (MoEMB's "modality" variant); `None` routes with a learned top-k router.
+        gates: the trained efficiency modules of the layers (`MoEmbConfig.gates`).
     """
 
     model_type = "moemb_text"
@@ -58,6 +61,7 @@ class MoEmbTextConfig(Qwen3_5MoeTextConfig):
     router_bias: bool = False
     routed_scaling_factor: float = 1.0
     modality_expert_map: dict | None = None
+    gates: dict | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -116,6 +120,13 @@ class MoEmbConfig(PreTrainedConfig):
         adaptive: inference-time adaptive computation (spec §3.3-3.9, §3.12) as the dict of an `AdaptiveSettings`
             (`moezoo.configuration.moemb_adaptive`): token pruning, expert skipping and adaptive top-k; None (or
             no method set) is the full forward. `model(..., adaptive=...)` overrides it for one call.
+        gates: the trained efficiency modules the model has (spec §3.0-3.10), as the dict of a `GateModules`
+            (`moezoo.configuration.moemb_gates`): per-layer efficiency heads, null experts, layer-skip gates, the
+            one-shot token pruner; None for none (every converted checkpoint).
+        smoes: the SMoES routing regulariser (`moezoo.modeling.smoes.enable_smoes`) as the dict of a `SmoesSettings`
+            (`moezoo.configuration.smoes_settings`): each MoE layer then holds SMoES buffers, and a training forward
+            returns the SMoES losses for the trainer to add; None for none. It needs a learned router (not
+            "modality") that trains (`router_trainable`) while a loss coefficient is non-zero.
     """
 
     model_type = "moemb"
@@ -144,6 +155,8 @@ class MoEmbConfig(PreTrainedConfig):
     kept_expert_ids: list[list[int]] | None = None
     pruned_from_num_experts: int | None = None
     adaptive: dict | None = None
+    gates: dict | None = None
+    smoes: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -162,7 +175,7 @@ class MoEmbConfig(PreTrainedConfig):
         require_choice(self, "moe_variant", MOE_VARIANTS)
         self._resolve_variant_defaults()
         # The text model builds its MoE blocks from its own config, so that it also runs alone.
-        for name in ("use_shared_expert", "router_bias", "routed_scaling_factor", "modality_expert_map"):
+        for name in ("use_shared_expert", "router_bias", "routed_scaling_factor", "modality_expert_map", "gates"):
             setattr(self.text_config, name, getattr(self, name))
         self.validate_fields()
 
@@ -263,12 +276,43 @@ class MoEmbConfig(PreTrainedConfig):
         # The core validates sizes and top-k (each message names its MoeLayerSpec field).
         self.moe_layer_spec()
         self._validate_upcycling()  # after the core's check of the expert counts it compares
+        self.gate_modules().validate(text.num_hidden_layers, self.moe_variant)
         self._validate_adaptive()
+        self._validate_smoes()
+
+    def gate_modules(self) -> GateModules:
+        """The trained efficiency modules of `gates`."""
+        return GateModules.from_dict(self.gates)
 
     def _validate_adaptive(self) -> None:
         if self.adaptive is not None and not isinstance(self.adaptive, dict):
             raise ValueError(f"MoEmbConfig.adaptive must be a dict of AdaptiveSettings fields, got {self.adaptive!r}")
-        check_adaptive_settings(AdaptiveSettings.from_dict(self.adaptive), self.text_config, self.moe_variant)
+        check_adaptive_settings(
+            AdaptiveSettings.from_dict(self.adaptive), self.text_config, self.moe_variant, gates=self.gate_modules()
+        )
+
+    def smoes_settings(self) -> SmoesSettings | None:
+        """The SMoES settings of `smoes` (None: no SMoES)."""
+        return SmoesSettings.from_dict(self.smoes, "MoEmbConfig.smoes")
+
+    def _validate_smoes(self) -> None:
+        settings = self.smoes_settings()
+        if settings is None:
+            return
+        if self.moe_variant == "modality":
+            raise ValueError(
+                "MoEmbConfig.smoes needs a learned top-k router, and moe_variant='modality' routes by token modality "
+                "without one; use a 'native' or 'upcycled' model"
+            )
+        if not self.router_trainable and settings.smoes_enabled and (settings.smoes_bal_coef or settings.smoes_mi_coef):
+            raise ValueError(
+                f"MoEmbConfig.smoes trains the routers (smoes_mi_coef={settings.smoes_mi_coef}, smoes_bal_coef="
+                f"{settings.smoes_bal_coef}), but MoEmbConfig.router_trainable=False freezes them (the 'native' "
+                "default); set router_trainable=True, or both coefficients to 0 to only update the SMoES statistics"
+            )
+        text = self.text_config
+        settings.check_host(text.num_experts, text.layer_types.count("full_attention"))
+        self.smoes = settings.to_dict()  # every field, so that a saved config keeps the settings it ran with
 
     def _validate_vision_patches_and_heads(self) -> None:
         vision = self.vision_config

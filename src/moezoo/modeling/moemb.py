@@ -23,6 +23,7 @@ Two execution modes give the same embeddings:
 """
 
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeRMSNorm,
     Qwen3_5MoeTextRotaryEmbedding,
     Qwen3_5MoeVisionModel,
+    apply_rotary_pos_emb,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, can_return_tuple
@@ -50,11 +52,16 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..configuration.moemb import TOKEN_MODALITIES, MoEmbConfig, MoEmbTextConfig
 from ..configuration.moemb_adaptive import AdaptiveSettings, check_adaptive_settings
+from ..configuration.smoes_settings import SmoesSettings
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
 from .moe.pretrained import MoePreTrainedMixin
+from .moe.smoes.host import HostLayer, SmoesHost, smoes_outputs, smoes_recording, token_modality
 from .moe.statistics import record_routing
 from .moemb_adaptive.forward import AdaptiveForward, AdaptiveReport, TokenMetadata
+from .moemb_adaptive.gates import GateControl, attach_gate_modules, init_gate_module
+from .moemb_adaptive.trained import masked_attention, masked_gated_delta_net
+from .moemb_adaptive.packed import PaddedBatch
 
 
 try:  # flash-linear-attention: varlen Gated DeltaNet kernels (GPU)
@@ -101,10 +108,21 @@ class MoEmbOutput(MoEmbModelOutput):
     embeddings (`(batch_size, hidden_size)` float32): the pooled hidden states, L2-normalised unless
         `config.normalize_embeddings=False`.
     pooled_index (`(batch_size,)`): where each item was pooled: a position in its row, or in the packed sequence.
+    aux_loss (`()`, *optional*): in a training forward with SMoES (`config.smoes`), its weighted loss
+        `smoes_bal_coef * smoes_bal_loss + alpha_MI * smoes_mi_loss`, for the trainer to add to the contrastive loss.
+    smoes_bal_loss / smoes_mi_loss (`()`, *optional*): the bin-level balance loss and minus the inter-bin mutual
+        information, reduced over MoE layers.
+    smoes_mi (`(num_layers,)`, *optional*): each MoE layer's batch-mean MI in nats, detached.
+    smoes_bins (`tuple` of `(num_experts,)`, *optional*): the bins the SMoES losses used.
     """
 
     embeddings: torch.Tensor | None = None
     pooled_index: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    smoes_bal_loss: torch.Tensor | None = None
+    smoes_mi_loss: torch.Tensor | None = None
+    smoes_mi: torch.Tensor | None = None
+    smoes_bins: tuple[torch.Tensor, ...] | None = None
 
 
 # --- packed (varlen) batches ---------------------------------------------------------------------------------------
@@ -133,6 +151,12 @@ class PackedSequences:
             )
         segment_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
         return cls(cu_seqlens.to(torch.int32), int(lengths.max()), segment_ids)
+
+    @classmethod
+    def from_segment_ids(cls, segment_ids: torch.Tensor) -> "PackedSequences":
+        """The bounds of a packed row whose tokens are in segment order (e.g. after tokens were removed)."""
+        lengths = torch.bincount(segment_ids)
+        return cls.from_cu_seqlens(F.pad(lengths.cumsum(0), (1, 0)), segment_ids.numel())
 
     @property
     def num_sequences(self) -> int:
@@ -280,7 +304,14 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
         mixer_input = self.input_layernorm(hidden_states)
         if adaptive is not None:
             adaptive.read_beta(self.layer_idx, getattr(self, "linear_attn", None), mixer_input)
-        if self.layer_type == "linear_attention":
+        # Training the one-shot pruner: its straight-through keep mask acts inside the mixers (trained.py).
+        keep = adaptive.trained.key_keep if adaptive is not None and adaptive.trained is not None else None
+        if keep is not None:
+            if self.layer_type == "linear_attention":
+                mixer_output = masked_gated_delta_net(self.linear_attn, mixer_input, token_mask, keep)
+            else:
+                mixer_output = masked_attention(self.self_attn, mixer_input, position_embeddings, token_mask, keep)
+        elif self.layer_type == "linear_attention":
             if packed is not None:
                 mixer_output = packed_gated_delta_net(self.linear_attn, mixer_input, packed)
             else:
@@ -293,10 +324,12 @@ class MoEmbDecoderLayer(GradientCheckpointingLayer):
             )
         hidden_states = hidden_states + mixer_output
 
-        with adaptive.routing(self.layer_idx, self.mlp.gate) if adaptive is not None else nullcontext():
+        with adaptive.routing(self.layer_idx, self.mlp) if adaptive is not None else nullcontext():
             moe_output, _ = self.mlp(
                 self.post_attention_layernorm(hidden_states), attention_mask=token_mask, routes=routes
             )
+        if keep is not None:
+            moe_output = moe_output * keep[..., None]
         return hidden_states + moe_output
 
 
@@ -334,7 +367,7 @@ class MoEmbPreTrainedModel(MoePreTrainedMixin, Qwen3_5MoePreTrainedModel):
     _is_stateful = False
 
     def _init_weights(self, module):
-        if init_moe_module(module, self.config.get_text_config().initializer_range):
+        if init_gate_module(module) or init_moe_module(module, self.config.get_text_config().initializer_range):
             return
         super()._init_weights(module)
 
@@ -355,7 +388,16 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
         self.norm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3_5MoeTextRotaryEmbedding(config=config)
         self.modality_expert_map = config.modality_expert_map
+        attach_gate_modules(self, config)  # the trained efficiency modules of config.gates (moemb_adaptive.gates)
+        self.smoes = None  # a SmoesHost once `attach_smoes` put SMoES on the layers
         self.post_init()
+
+    def attach_smoes(self, settings: SmoesSettings) -> SmoesHost:
+        """SMoES on every layer (`moezoo.modeling.moe.smoes.host`): the gated-attention layers advance the attention
+        score, the Gated DeltaNet layers carry it, each MoE block gets its buffers."""
+        layers = [HostLayer(layer, getattr(layer, "self_attn", None), layer.mlp) for layer in self.layers]
+        self.smoes = SmoesHost(settings, layers, self.config.hidden_size, apply_rotary_pos_emb)
+        return self.smoes
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -405,6 +447,9 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
             if routing is not None:
                 routing.set_groups(mm_token_type_ids)
             for layer in self.layers:
+                block_input = hidden_states
+                trained = adaptive.trained if adaptive is not None else None
+                layer_skip = trained.layer_skip_mask(layer.layer_idx, hidden_states) if trained is not None else None
                 hidden_states = layer(
                     hidden_states,
                     position_embeddings=position_embeddings,
@@ -415,10 +460,17 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
                     adaptive=adaptive,
                     **kwargs,
                 )
+                if layer_skip is not None:  # h <- h + m (Block(h) - h), m = 1 - skip (spec §3.10)
+                    hidden_states = block_input + (1 - layer_skip) * (hidden_states - block_input)
+                if trained is not None:
+                    trained.after_block(layer.layer_idx, hidden_states)
                 if adaptive is not None and adaptive.pending_drop is not None:  # one-shot token pruning
                     hidden_states, position_embeddings, attention_mask = adaptive.remove_dropped(
                         hidden_states, position_embeddings
                     )
+                    if packed is not None:  # one row: the survivors, their segments shorter
+                        packed = PackedSequences.from_segment_ids(adaptive.metadata.segment_id[0])
+                        attention_mask = None
                     masks = self.layer_masks(hidden_states, attention_mask, packed)
         if adaptive is not None:
             hidden_states = adaptive.restore_layout(hidden_states)
@@ -478,6 +530,9 @@ class MoEmbModel(MoEmbPreTrainedModel):
         super().__init__(config)
         self.visual = Qwen3_5MoeVisionModel._from_config(config.vision_config)
         self.language_model = MoEmbTextModel(config.text_config)
+        self.gate_control: GateControl | None = None  # set by `moemb_adaptive.gates.controlled_gates`
+        if config.smoes is not None:
+            self.language_model.attach_smoes(config.smoes_settings())
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -527,10 +582,19 @@ class MoEmbModel(MoEmbPreTrainedModel):
             position_ids = self.rope_positions(
                 mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, packed
             )  # without visual inputs, the text model's own text positions are the same as Qwen's
-        adaptive_forward = None
+        adaptive_forward = padded = None
+        if settings is None and self.gate_control is not None:  # trained gates run under a GateControl
+            settings = AdaptiveSettings()
         if settings is not None:
             if position_ids is None:
                 position_ids = text_positions(inputs_embeds.shape[:2], attention_mask, packed, inputs_embeds.device)
+            if settings.execution == "packed" and packed is None:  # spec §3.14: the real tokens in one row
+                padded = PaddedBatch.from_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
+                inputs_embeds, mm_token_type_ids = padded.pack(inputs_embeds), padded.pack(mm_token_type_ids)
+                position_ids = padded.pack(position_ids, batch_dim=position_ids.ndim - 2)
+                pooled_index = None if pooled_index is None else padded.packed_index(pooled_index)
+                packed = PackedSequences.from_cu_seqlens(padded.cu_seqlens, inputs_embeds.shape[1])
+                attention_mask, cu_seqlens = None, padded.cu_seqlens
             metadata = TokenMetadata.from_inputs(
                 mm_token_type_ids,
                 attention_mask,
@@ -538,8 +602,15 @@ class MoEmbModel(MoEmbPreTrainedModel):
                 pooled_index,
                 packed.segment_ids if packed is not None else None,
             )
-            adaptive_forward = AdaptiveForward(settings, self.config, metadata, (image_grid_thw, video_grid_thw))
-        return self.language_model(
+            control = self.gate_control
+            if padded is not None and control is not None and control.actions is not None:
+                # Forced actions come in the input's layout: packed like its tokens for this forward.
+                control = dataclasses.replace(control, actions=padded.pack(control.actions))
+            adaptive_forward = AdaptiveForward(
+                settings, self.config, metadata, (image_grid_thw, video_grid_thw),
+                control=control, text_model=self.language_model,
+            )  # fmt: skip
+        outputs = self.language_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -549,6 +620,14 @@ class MoEmbModel(MoEmbPreTrainedModel):
             adaptive=adaptive_forward,
             **kwargs,
         )
+        if padded is not None:  # the input's layout; the hidden states of output_hidden_states stay packed
+            outputs.last_hidden_state = padded.unpack(outputs.last_hidden_state)
+            trained = adaptive_forward.trained
+            if self.gate_control is not None and trained is not None:  # the gates' record too (-1: no decision)
+                if trained.record.actions is not None:
+                    trained.record.actions = padded.unpack(trained.record.actions + 1) - 1
+                self.gate_control.record = trained.record
+        return outputs
 
     def adaptive_settings(
         self, adaptive: AdaptiveSettings | dict | None, packed: PackedSequences | None
@@ -558,14 +637,12 @@ class MoEmbModel(MoEmbPreTrainedModel):
             settings = AdaptiveSettings.from_dict(self.config.adaptive)
         else:
             settings = AdaptiveSettings.from_dict(adaptive)
-            check_adaptive_settings(settings, self.config.text_config, self.config.moe_variant, "model(adaptive=...): ")
+            check_adaptive_settings(
+                settings, self.config.text_config, self.config.moe_variant, "model(adaptive=...): ",
+                gates=self.config.gate_modules(),
+            )  # fmt: skip
         if settings is None or not settings.is_active:
             return None
-        if settings.token_pruning is not None and packed is not None:
-            raise ValueError(
-                "adaptive token_pruning runs on padded batches (input_ids (B, S) with attention_mask); pass the items "
-                "padded rather than packed with cu_seqlens"
-            )
         return settings
 
     def rope_positions(
@@ -638,23 +715,32 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
                                   pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         if pooled_index is None:  # before the forward: a batch without its <emb> tokens fails fast
             pooled_index = self.pooled_positions(input_ids, attention_mask, cu_seqlens, inputs_embeds)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            mm_token_type_ids=mm_token_type_ids,
-            cu_seqlens=cu_seqlens,
-            output_routing_counts=output_routing_counts,
-            pooled_index=pooled_index,
-            adaptive=adaptive,
-            return_dict=True,
-            **kwargs,
-        )
+        smoes, losses = self.model.language_model.smoes, None
+        trains_smoes, recording = smoes_recording(self, smoes, lambda: self._smoes_tokens(
+            input_ids, inputs_embeds, mm_token_type_ids, attention_mask, cu_seqlens, adaptive
+        ))  # fmt: skip
+        if trains_smoes:
+            kwargs["output_router_logits"] = True
+        with recording:
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                mm_token_type_ids=mm_token_type_ids,
+                cu_seqlens=cu_seqlens,
+                output_routing_counts=output_routing_counts,
+                pooled_index=pooled_index,
+                adaptive=adaptive,
+                return_dict=True,
+                **kwargs,
+            )
+            if trains_smoes:
+                losses = smoes.losses(outputs.router_logits, self.config.text_config.num_experts_per_tok)
         hidden_states = outputs.last_hidden_state
         if cu_seqlens is not None:
             pooled = hidden_states[0, pooled_index]
@@ -663,7 +749,29 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
         embeddings = pooled.float()
         if self.config.normalize_embeddings:
             embeddings = F.normalize(embeddings, dim=-1)
-        return MoEmbOutput(embeddings=embeddings, pooled_index=pooled_index, **outputs)
+        return MoEmbOutput(embeddings=embeddings, pooled_index=pooled_index, **outputs, **smoes_outputs(losses))
+
+    def _smoes_tokens(self, input_ids, inputs_embeds, mm_token_type_ids, attention_mask, cu_seqlens, adaptive):
+        """(B, T) hard modality and validity of an SMoES training forward's tokens: vision where `mm_token_type_ids`
+        says image or video (by default: the image and video placeholders)."""
+        if cu_seqlens is not None:
+            raise ValueError(
+                "SMoES training runs on padded batches (input_ids (B, S) with attention_mask), not packed ones with "
+                "cu_seqlens"
+            )
+        if self.model.adaptive_settings(adaptive, None) is not None:
+            raise ValueError(
+                "SMoES training needs the full forward: adaptive computation changes the routing; pass adaptive={} "
+                "or clear config.adaptive while training"
+            )
+        placeholders = self._token_mask(self.config.image_token_id, input_ids, inputs_embeds)
+        placeholders |= self._token_mask(self.config.video_token_id, input_ids, inputs_embeds)
+        tokens = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        return token_modality(
+            tokens.shape, mm_token_type_ids=mm_token_type_ids,
+            vision_token_types=self.config.smoes_settings().smoes_vision_token_types, vision_token_mask=placeholders,
+            attention_mask=attention_mask,
+        )  # fmt: skip
 
     def pooled_positions(
         self,

@@ -37,6 +37,7 @@ import math
 import zlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,17 +48,20 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 from transformers import Trainer, set_seed
 
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
+from ..configuration.smoes_settings import SmoesSettings
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..modeling.moe.experts import SwiGLUExperts
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
+from ..modeling.smoes.zoo import enable_smoes
 from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
 from .arguments import (
@@ -69,18 +73,28 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
+from .adapted_sharding import load_adapted_for_training, unsharded_copy, with_every_trainable_parameter
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, load_table
 from .distributed import (
-    add_distributed_arguments,
     all_gather_with_grad,
     check_enough_examples,
-    load_for_training,
     main_process_output_dir,
-    refuse_sharding,
     world,
 )
+from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
+from .moemb_grpo import add_grpo_arguments, run_grpo
 from .plots import plot_log_history
+from .sharded_checkpoints import ShardedCheckpointsMixin
+from .smoes_hosts import (
+    LogsSmoesTerms,
+    add_smoes_arguments,
+    evaluation_routing,
+    smoes_panels,
+    smoes_settings_from_args,
+    token_type_modality,
+    write_modality_routing,
+)
 
 SIDES = ("query", "target", "negative")
 MMEB_COLUMNS = {"query": ("qry", "qry_image_path"), "target": ("pos_text", "pos_image_path"),
@@ -211,8 +225,12 @@ def info_nce_loss(
     return F.cross_entropy(logits, labels)
 
 
-def embed_chunks(model, chunks: list) -> torch.Tensor:
-    return torch.cat([model(**chunk).embeddings for chunk in chunks])
+def embed_chunks(model, chunks: list, outputs: list | None = None) -> torch.Tensor:
+    """The chunks' embeddings, concatenated; `outputs` collects the chunks' model outputs (their SMoES terms)."""
+    chunk_outputs = [model(**chunk) for chunk in chunks]
+    if outputs is not None:
+        outputs.extend(chunk_outputs)
+    return torch.cat([output.embeddings for output in chunk_outputs])
 
 
 class RandomState:
@@ -268,8 +286,9 @@ def cached_contrastive_backward(
     return loss.detach()
 
 
-class MoEmbTrainer(Trainer):
-    """Global-batch InfoNCE (`info_nce_loss`), with GradCache when the collator makes several chunks per side."""
+class MoEmbTrainer(LogsSmoesTerms, ShardedCheckpointsMixin, Trainer):
+    """Global-batch InfoNCE (`info_nce_loss`), with GradCache when the collator makes several chunks per side. With
+    SMoES (`config.smoes`), the SMoES losses of every training forward are added, and their terms logged."""
 
     def __init__(self, *args, logit_scale: float, mask_duplicate_targets: bool = False, gradcache: bool = False,
                  **kwargs):  # fmt: skip
@@ -285,8 +304,12 @@ class MoEmbTrainer(Trainer):
         )  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        embeddings = {side: embed_chunks(model, inputs[side]) for side in SIDES if side in inputs}
-        loss = self.contrastive_loss(embeddings, inputs)
+        outputs = []
+        embeddings = {side: embed_chunks(model, inputs[side], outputs) for side in SIDES if side in inputs}
+        loss = with_every_trainable_parameter(self.contrastive_loss(embeddings, inputs), model)
+        smoes_loss = self.record_smoes_terms(outputs) if model.training else None
+        if smoes_loss is not None:
+            loss = loss + smoes_loss
         return (loss, embeddings) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -358,6 +381,14 @@ class GroupedExpertLoRA(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         delta = self.scaling * (self.lora_B @ self.lora_A)  # (G, out, in)
+        if isinstance(weight, DTensor):
+            # Expert parallelism (`--ep`): this process holds a contiguous range of the experts, whose groups' deltas
+            # it adds to its own shard; the experts run on that shard.
+            (mesh_dim,) = [dim for dim, placement in enumerate(weight.placements) if placement.is_shard(0)]
+            rank, num_experts = weight.device_mesh.get_local_rank(mesh_dim), weight.shape[0]
+            local = weight.to_local()
+            experts = torch.arange(rank * len(local), (rank + 1) * len(local), device=local.device)
+            return local + delta[experts * self.num_groups // num_experts]
         # Broadcast over the experts of each group without copying the delta per expert.
         return (weight.unflatten(0, (self.num_groups, -1)) + delta[:, None]).flatten(0, 1)
 
@@ -466,8 +497,10 @@ def apply_lora(model: MoEmbForEmbedding, options: LoraOptions) -> MoEmbLoraModel
         for module in peft_model.modules():
             if isinstance(module, SwiGLUExperts):
                 for name in EXPERT_PARAMETERS:
-                    adapter = GroupedExpertLoRA(getattr(module, name), options.rank, options.alpha, groups)
-                    parametrize.register_parametrization(module, name, adapter)
+                    weight = getattr(module, name)
+                    adapter = GroupedExpertLoRA(weight, options.rank, options.alpha, groups)
+                    # under --ep the adapted weight is this process's shard (`GroupedExpertLoRA.forward`)
+                    parametrize.register_parametrization(module, name, adapter, unsafe=isinstance(weight, DTensor))
     train_router = config.router_trainable if options.train_router is None else options.train_router
     for module in peft_model.modules():
         if isinstance(module, TopKRouter):
@@ -505,8 +538,8 @@ class MoEmbTrainingOptions(TrainerOptions):
     mask_duplicate_targets: bool = False
     lora: LoraOptions = field(default_factory=LoraOptions)
     bf16: bool = False
-    fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
-    ep: int = 1  # expert parallelism over this many processes
+    smoes: SmoesSettings | None = None  # SMoES on the experts (`--smoes`; trains the routers), saved in the config
+    adaptive: AdaptiveRecipeOptions | None = None  # trained efficiency gates (`moezoo.training.moemb_adaptive`)
 
 
 def train_moemb(
@@ -525,7 +558,6 @@ def train_moemb(
     options = options or MoEmbTrainingOptions()
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
-    refuse_sharding(options.fsdp, options.ep, "its recipe adds LoRA adapters and a trainable embedding row")
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moemb`", ["moemb"])
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
@@ -533,17 +565,41 @@ def train_moemb(
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
         if examples is not None:
             check_enough_examples(len(examples), options.batch_size, name)
+    if options.chunk_size is not None and (options.fsdp > 1 or options.ep > 1):
+        raise ValueError("--chunk-size (GradCache) is not wired for --fsdp / --ep: each chunk's backward would reduce "
+                         "the sharded gradients on its own, for the modules that chunk ran; use GradCache with plain "
+                         "DDP (the same launch without --fsdp / --ep)")  # fmt: skip
     if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
         raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
                          f"{options.chunk_size}")  # fmt: skip
-    model = load_for_training(MoEmbForEmbedding, folder, options.fsdp, options.ep, options.save_steps,
-                              dtype=torch.bfloat16 if options.bf16 else torch.float32)
+    if options.smoes is not None and options.chunk_size is not None:
+        raise ValueError("--smoes counts every training forward, and GradCache (--chunk-size) runs each one twice: "
+                         "train without --chunk-size")  # fmt: skip
+
+    gates = None if options.adaptive is None else GateTraining(options.adaptive)
+    if gates is not None and (options.fsdp > 1 or options.ep > 1 or options.chunk_size is not None):
+        raise ValueError("--adaptive-recipe trains on one process, without --fsdp, --ep or --chunk-size")
+
+    def with_lora(model: MoEmbForEmbedding) -> MoEmbLoraModel:
+        if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
+            raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
+        if options.smoes is not None:
+            if options.lora.train_router is not False:  # the SMoES losses train the routers
+                model.config.router_trainable = True
+            enable_smoes(model, options.smoes)
+        # Before the adapters' random initialisation: the Trainer seeds only what comes after it.
+        set_seed(options.seed)
+        if gates is not None:
+            gates.add_gates(model)
+        peft_model = apply_lora(model, options.lora)
+        return peft_model if gates is None else gates.set_trainable(peft_model)
+
+    # Under --fsdp / --ep the adapters are attached before the model is sharded (`adapted_sharding`).
+    load = partial(load_adapted_for_training, MoEmbForEmbedding, folder, with_lora, root_held=("model.visual",),
+                   dtype=torch.bfloat16 if options.bf16 else torch.float32)  # fmt: skip
+    peft_model = load(options.fsdp, options.ep, options.ep_implementation)
+    model = peft_model.get_base_model()
     processor = MoEmbProcessor.from_pretrained(folder)
-    if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
-        raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
-    # Before the adapters' random initialisation: the Trainer seeds only what comes after it.
-    set_seed(options.seed)
-    peft_model = apply_lora(model, options.lora)
     trainable = count_trainable(peft_model)
     learning_rate = options.learning_rate or RECIPES[options.recipe]
 
@@ -567,22 +623,39 @@ def train_moemb(
             eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
         )
         collator = MoEmbCollator(processor, options.chunk_size, options.max_length)
-        trainer = MoEmbTrainer(
+        trainer_class, recipe = (MoEmbTrainer, {}) if gates is None else (recipe_trainer(MoEmbTrainer),
+                                                                          {"gate_training": gates})  # fmt: skip
+        trainer = trainer_class(
             model=peft_model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
             callbacks=[LogAtCheckpointsAndEnd()],
             logit_scale=model.config.logit_scale, mask_duplicate_targets=options.mask_duplicate_targets,
-            gradcache=options.chunk_size is not None,
+            gradcache=options.chunk_size is not None, **recipe,
         )  # fmt: skip
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
+        if options.fsdp > 1 or options.ep > 1:
+            peft_model = unsharded_copy(peft_model, load)
         model = merge_lora(peft_model)
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 
         logs = trainer.state.log_history
         panels = {"InfoNCE loss": "loss", "learning rate": "learning_rate", "validation InfoNCE loss": "eval_loss"}
+        smoes = model.config.smoes_settings()
+        if smoes is not None:
+            panels |= {"SMoES loss (weighted)": "smoes_loss"} | smoes_panels(model.config.text_config.num_hidden_layers)
         curves = plot_log_history(logs, panels, staging / "training_curves.png", title="MoEMB training")
         heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
+        msi = None
+        if smoes is not None:
+            examples = [dataset[i] for i in range(min(64, len(dataset)))]
+            chunks = [chunk for side in ("query", "target") for chunk in collator(examples)[side]]
+            modality = token_type_modality(smoes.smoes_vision_token_types)
+            text = model.config.text_config
+            msi = write_modality_routing(
+                evaluation_routing(model, chunks, modality), text.num_experts, text.num_experts_per_tok, staging,
+                "MoEMB experts with SMoES: share of each modality's top-k dispatches per layer",
+            )  # fmt: skip
         lora = options.lora
         training = {
             "summary": f"contrastive LoRA training (InfoNCE, logit scale {model.config.logit_scale}) for "
@@ -598,6 +671,10 @@ def train_moemb(
             "trainable_parameters": trainable,
             "gradcache_chunk_size": options.chunk_size,
         }
+        if msi is not None:
+            training |= {"smoes_step": int(model.model.language_model.smoes.step), "msi": msi}
+        if gates is not None:
+            training |= gates.finish(logs, staging)
         if eval_dataset is not None:  # evaluated at the last step too (the Trainer does when it ends)
             training["eval_loss"] = round([log["eval_loss"] for log in logs if "eval_loss" in log][-1], 4)
         write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
@@ -619,7 +696,7 @@ def routing_heatmap(model: MoEmbForEmbedding, dataset, collator: MoEmbCollator, 
     with record_routing(model, group_names=[TOKEN_MODALITIES[int(m)] for m in present]) as stats:
         for chunk in chunks:
             stats.set_groups(group_of_modality[chunk["mm_token_type_ids"]])  # padding is text (0), always present
-            model(**chunk)
+            model(**chunk, adaptive={})  # full compute: the counts must cover every token
     return plot_routing_heatmap(stats, path, title="MoEMB experts: share of each modality's tokens per layer")
 
 
@@ -638,7 +715,6 @@ def add_train_arguments(parser) -> None:
         "batch_size": "pairs per process; all processes' targets are every query's negatives",
         "lr": "peak learning rate (default: the recipe's)",
     })
-    add_distributed_arguments(parser)
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=defaults.recipe,
                         help="stated: peak LR 1e-4 (the paper's headline); tuned: 5e-5 (its Fig. 6)")
     parser.add_argument("--chunk-size", type=int,
@@ -662,16 +738,23 @@ def add_train_arguments(parser) -> None:
     router.add_argument("--freeze-router", dest="train_router", action="store_false",
                         help="(default: the config's router_trainable, frozen for native MoE)")
     parser.add_argument("--bf16", action="store_true")
+    add_smoes_arguments(parser)
     parser.add_argument("--overwrite", action="store_true")
+    add_grpo_arguments(parser)
+    add_recipe_arguments(parser)
 
 
 def run_train(args) -> int:
+    if args.grpo:
+        return run_grpo(args)
     options = MoEmbTrainingOptions(
-        **trainer_options(args), fsdp=args.fsdp, ep=args.ep, recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
+        **trainer_options(args), recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
         negatives=args.negatives, mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16,
         lora=LoraOptions(rank=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, experts=args.expert_lora,
                          expert_groups=args.expert_lora_groups, target_gdn=args.lora_target_gdn,
                          train_router=args.train_router),
+        smoes=smoes_settings_from_args(args),
+        adaptive=recipe_options(args),
     )  # fmt: skip
     training = train_moemb(args.model, args.data, args.out, options, image_root=args.image_root,
                            overwrite=args.overwrite, eval_data=args.eval_data)

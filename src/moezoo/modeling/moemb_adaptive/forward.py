@@ -10,14 +10,17 @@ layout, a dropped token's hidden state being the one it left with.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ...configuration.moemb_adaptive import AdaptiveSettings
 from ..moemb_flops import ForwardFlops, TokenDecisions, logical_flops
+from .packed import compacted_experts
 from .routing import apply_slot_mask, edited_routing, modes_slots, threshold_slots, uniform_top_k
 from .selection import keep_highest, lowest_fraction, otsu_split
+from .trained import TrainedActions
 
 
 BETA_SKIPS = ("beta_rank", "beta_threshold", "otsu_beta")
@@ -100,6 +103,9 @@ class AdaptiveReport:
     routed_slots: float  # k per token and layer it reaches: the slots of full compute
     executed_slots: float  # the routed slots executed
     decisions: TokenDecisions  # per real token (row-major) and layer, what the FLOPs were counted from
+    # With the trained gates: (B,) S(a) of every sample (item) on its own, and (B, L) the blocks each one bypassed.
+    sample_flops_saving: torch.Tensor | None = None
+    layer_skipped: torch.Tensor | None = None
 
     @property
     def slot_skip_ratio(self) -> float:
@@ -118,6 +124,8 @@ class AdaptiveForward:
         config,  # the MoEmbConfig (the FLOPs model reads the vision tower's and the text model's sizes)
         metadata: TokenMetadata,
         visual_grids: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        control=None,  # a `gates.GateControl` (training, GRPO rollouts), with
+        text_model=None,  # the `MoEmbTextModel` whose trained gates act (`trained.TrainedActions`)
     ):
         self.settings = settings
         self.config = config
@@ -133,6 +141,11 @@ class AdaptiveForward:
         self.beta = None  # (B, S) head-mean β of the latest Gated DeltaNet layer
         self.pending_drop = None  # (B, S) tokens leaving the forward after the current layer
         self.left_states = None  # (B, S, H) input layout: the hidden states of the tokens that left
+        self.kept_slots = None  # (T, k) bool: the routed slots the current layer's MoE block runs
+        self.trained = None  # the trained gates' actions, when the settings or a GateControl use them
+        if text_model is not None:
+            self.trained = TrainedActions(self, control, text_model)
+            self.trained = self.trained if self.trained.is_active else None
 
     # --- hook points ---
 
@@ -152,12 +165,24 @@ class AdaptiveForward:
             drop = candidates & ~kept
             self.pending_drop = drop if bool(drop.any()) else None  # keeping everything leaves the layout as is
 
-    def routing(self, layer_idx: int, router: torch.nn.Module):
-        """Context manager around a layer's MoE block: its router's top-k weights are post-processed."""
+    @contextmanager
+    def routing(self, layer_idx: int, block: torch.nn.Module):
+        """Context manager around a layer's MoE block: its router's top-k weights are post-processed; in packed
+        execution its routed experts run the kept slots only (`packed.compacted_experts`)."""
         routed = self.metadata.alive.flatten()  # the block routes the tokens of its mask, in row-major order
-        return edited_routing(router, lambda logits, weights, index: self._route(layer_idx, routed, logits, weights))
+        compact = compacted_experts(block, lambda: self.kept_slots) if self.settings.execution == "packed" else None
+        capture = self.trained.capture_router_input(block.gate) if self.trained is not None else None
+        try:
+            with edited_routing(
+                block.gate, lambda logits, weights, index: self._route(layer_idx, routed, logits, weights, index)
+            ):
+                with compact or nullcontext():
+                    yield
+        finally:
+            if capture is not None:
+                capture.remove()
 
-    def _route(self, layer_idx: int, routed: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor):
+    def _route(self, layer_idx: int, routed: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor, index=None):
         settings, meta = self.settings, self.metadata
         segment = meta.segment_id.flatten()[routed]
         modality = meta.modality.flatten()[routed]
@@ -184,6 +209,12 @@ class AdaptiveForward:
         elif settings.top_k == "threshold":
             kept = threshold_slots(weights, settings.score_threshold, settings.min_experts_per_token)
         drop = torch.zeros_like(skip) if self.pending_drop is None else self.pending_drop.flatten()[routed]
+        renormalize, scale = settings.renormalize, None
+        if self.trained is not None:  # the efficiency heads and null experts (`trained.TrainedActions.route`)
+            skip, drop, kept, trained_renormalize, scale = self.trained.route(
+                layer_idx, routed, logits, index, skip, drop, kept
+            )
+            renormalize = renormalize if trained_renormalize is None else trained_renormalize
         # A token dropped here skips this layer's routed experts too (the DROP action of spec §3.0): its hidden
         # state is not read after this layer.
         kept = kept & ~(skip | drop)[:, None]
@@ -193,7 +224,9 @@ class AdaptiveForward:
         self.experts_run[rows, columns, layer_idx] = kept.sum(-1).double().cpu()
         self.skipped[rows, columns, layer_idx] = (skip & ~drop).cpu()
         self.dropped[rows, columns, layer_idx] = drop.cpu()
-        return apply_slot_mask(weights, kept, settings.renormalize)
+        self.kept_slots = kept
+        weights = apply_slot_mask(weights, kept, renormalize)
+        return weights if scale is None else weights * scale[:, None].to(weights.dtype)
 
     def remove_dropped(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """After the layer that dropped tokens: moves each row's survivors to its front (in order) and returns the new
@@ -235,8 +268,9 @@ class AdaptiveForward:
         if cu_seqlens is None:
             cu_seqlens = torch.nn.functional.pad(real.sum(1).cumsum(0), (1, 0))
         decisions = TokenDecisions(
-            drop=self.dropped[real].double(), skip=self.skipped[real].double(), experts_per_token=self.experts_run[real]
-        )
+            drop=self.dropped[real].double(), skip=self.skipped[real].double(), experts_per_token=self.experts_run[real],
+            layer_skip=None if self.trained is None else self.trained.sample_layer_skip(real),
+        )  # fmt: skip
         image_grid_thw, video_grid_thw = self.visual_grids
         grids = {"image_grid_thw": image_grid_thw, "video_grid_thw": video_grid_thw}
         flops = logical_flops(self.config, cu_seqlens, decisions, **grids)
@@ -265,4 +299,5 @@ class AdaptiveForward:
             executed_slots=float(executed.sum()),
             decisions=decisions,
             **rates,
+            **({} if self.trained is None else self.trained.sample_report(self.config, cu_seqlens, decisions)),
         )
