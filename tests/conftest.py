@@ -59,6 +59,21 @@ def run_python(code: str, env: dict | None = None, cwd=None, timeout: int = 300,
     return result
 
 
+def exported_moemb_outputs(folder: Path, inputs: dict, tmp_path: Path) -> tuple[torch.Tensor, float]:
+    """Embeddings and logical FLOPs saving of the exported MoEMB `folder` on `inputs`, computed in a fresh process in
+    which moezoo cannot be imported (transformers loads the folder's own code)."""
+    torch.save(inputs, tmp_path / "inputs.pt")
+    run_python(f"""
+        import torch, transformers
+        model = transformers.AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            out = model(**torch.load({str(tmp_path / "inputs.pt")!r}))
+        torch.save((out.embeddings, float(out.adaptive.flops_saving)), {str(tmp_path / "outputs.pt")!r})
+    """, without_moezoo=True)
+    return torch.load(tmp_path / "outputs.pt")
+
+
 def run_moezoo(*args, env: dict | None = None, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the `moezoo` command in a fresh process (without failing on a non-zero exit)."""
     return subprocess.run(
