@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from moezoo.cli import main
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.modeling.moemb_adaptive import calibrate_modes, frontier_search
@@ -18,7 +19,7 @@ from moezoo.modeling.moemb_adaptive.routing import modes_slots, threshold_slots,
 from moezoo.modeling.moemb_adaptive.selection import keep_highest, lowest_fraction, otsu_split, otsu_threshold
 from moezoo.modeling.moemb_flops import logical_flops
 
-from conftest import exported_moemb_outputs, run_moezoo
+from conftest import exported_moemb_outputs
 
 
 EMB = TINY_MOEMB["emb_token_id"]
@@ -279,6 +280,7 @@ def test_modes_calibration_returns_scales_of_mean_one_and_reaches_the_target(mod
     [
         (dict(token_pruning="gdn_beta", keep_ratio=0.0), r"adaptive.keep_ratio=0.0 must lie in \(0, 1\]"),
         (dict(expert_skip="beta_rank", skip_fraction=1.0), r"adaptive.skip_fraction=1.0 must lie in \[0, 1\)"),
+        (dict(expert_skip="beta_rank", skip_fraction=-0.1), r"adaptive.skip_fraction=-0.1 must lie in \[0, 1\)"),
         (dict(top_k="uniform", experts_per_token=TOP_K + 1), "adaptive.experts_per_token=5 .k'. must be"),
         (dict(token_pruning="gdn_beta", prune_after_layer=3), "adaptive.prune_after_layer=3 must be a Gated DeltaNet"),
         (dict(top_k="modes"), "adaptive.modes_thresholds=None must map"),
@@ -309,11 +311,11 @@ def test_beta_actions_need_gated_deltanet_layers_and_packed_batches_take_the_act
 
 def test_an_exported_folder_honours_its_adaptive_settings_without_moezoo(tmp_path):
     created, exported = tmp_path / "created", tmp_path / "exported"
-    assert run_moezoo("create", "tiny-moemb", "--out", created).returncode == 0
+    assert main(["create", "tiny-moemb", "--out", str(created)]) == 0  # the commands in this process: no fresh imports
     config = json.loads((created / "config.json").read_text())
     config["adaptive"] = ACTIONS["modes+gdn-prune"]
     (created / "config.json").write_text(json.dumps(config))
-    assert run_moezoo("export", created, "--out", exported).returncode == 0
+    assert main(["export", str(created), "--out", str(exported)]) == 0
     inputs = batch(item(12, (2, 8), 0), item(9, (1, 5), 1))
     loaded = MoEmbForEmbedding.from_pretrained(created).eval()
     with torch.no_grad():
