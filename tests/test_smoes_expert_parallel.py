@@ -6,15 +6,20 @@ one process. Each rank checks its loss and gradients, the rows each layer sends 
 from the reference's own routing: (token, expert) pairs per owner rank for `all_to_all`, tokens per rank hosting any
 of their experts for `dedup`), and the bytes of token rows its all-to-alls actually sent to other ranks. The dedup EP
 also runs under tensor parallelism (`tp_size=2`: its TP branch, where the ranks sharing a batch split its tokens).
-Run by pytest, the module launches itself under torchrun; each process runs `check_expert_parallel` (or
-`check_tensor_parallel`, `check_zoo_experts`) below.
+Run by pytest, the module launches itself under torchrun once per world size (a launch costs more than the checks):
+each process runs the checks below in sequence (`check_expert_parallel` for both implementations, and on two
+processes `check_tensor_parallel` and `check_zoo_experts` too) and writes each check's failure, if any, for the test
+that asks for it.
 """
 
+import contextlib
 import copy
 import json
 import os
 import subprocess
 import sys
+import traceback
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -41,6 +46,8 @@ MODEL_CONFIG = dict(
     max_position_embeddings=64, norm_topk_prob=True, router_aux_loss_coef=0.0,  # the reference reads the routing
 )  # fmt: skip
 BATCH, SEQUENCE = 2, 6
+# the zoo's experts behind the dedup EP: (experts implementation, routing) of each check_zoo_experts run
+ZOO_EXPERT_RUNS = (("eager", "random"), (SORTED_EXPERTS_IMPLEMENTATION, "random"), ("eager", "first-rank"))
 
 
 def analytic_send_rows(top_k_index: torch.Tensor, experts_per_rank: int, world: int, dedup: bool) -> torch.Tensor:
@@ -51,8 +58,39 @@ def analytic_send_rows(top_k_index: torch.Tensor, experts_per_rank: int, world: 
     return torch.bincount(owner.reshape(-1), minlength=world)
 
 
-def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) -> None:
-    import torch.distributed as dist
+@contextlib.contextmanager
+def recording_dispatch(ep_class, record):
+    """`ep_class._dispatch_tokens` calls `record(self, result)` after each dispatch, until the block ends."""
+    dispatch = ep_class._dispatch_tokens
+
+    def recorded(self, *args):
+        result = dispatch(self, *args)
+        record(self, result)
+        return result
+
+    ep_class._dispatch_tokens = recorded
+    try:
+        yield
+    finally:
+        ep_class._dispatch_tokens = dispatch
+
+
+def expert_parallel_reference(model_dir: str, world: int) -> tuple:
+    """The single-process reference on every rank's batch: the batches, their outputs (losses and routing), and the
+    gradients of the mean loss."""
+    from transformers import Qwen3MoeForCausalLM
+
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (world, BATCH, SEQUENCE), generator=generator)
+    reference = Qwen3MoeForCausalLM.from_pretrained(model_dir, experts_implementation="eager")
+    outputs = [reference(input_ids=ids, labels=ids, output_router_logits=True) for ids in input_ids]
+    torch.stack([output.loss for output in outputs]).mean().backward()
+    return input_ids, outputs, {name: param.grad for name, param in reference.named_parameters()}
+
+
+def check_expert_parallel(model_dir: str, implementation: str, reference: tuple) -> int:
+    """Loss, gradients, rows sent and bytes sent of one EP implementation against `reference`; returns the bytes
+    this rank sent."""
     import transformers.distributed.expert_parallel as transformers_ep
     from torch.distributed.tensor import DTensor
     from transformers import Qwen3MoeForCausalLM
@@ -60,16 +98,8 @@ def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) 
 
     import moezoo.modeling.moe.expert_parallel as moezoo_ep
 
-    torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (world, BATCH, SEQUENCE), generator=generator)
-
-    # the single-process reference, on every rank's batch: losses, gradients of their mean, and the routing
-    reference = Qwen3MoeForCausalLM.from_pretrained(model_dir, experts_implementation="eager")
-    outputs = [reference(input_ids=ids, labels=ids, output_router_logits=True) for ids in input_ids]
-    torch.stack([output.loss for output in outputs]).mean().backward()
-    reference_grads = {name: param.grad for name, param in reference.named_parameters()}
+    input_ids, outputs, reference_grads = reference
     experts_per_rank, k = MODEL_CONFIG["num_experts"] // world, MODEL_CONFIG["num_experts_per_tok"]
     send_rows = torch.stack([  # (layers, source rank, destination rank)
         torch.stack([analytic_send_rows(logits.topk(k).indices, experts_per_rank, world, implementation == "dedup")
@@ -79,17 +109,10 @@ def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) 
 
     recorded_send_sizes = []
     ep_class = moezoo_ep.DedupAllToAllEP if implementation == "dedup" else transformers_ep.AllToAllEP
-    dispatch = ep_class._dispatch_tokens
-
-    def recording_dispatch(self, *args):
-        result = dispatch(self, *args)
-        recorded_send_sizes.append(result[3].send_sizes)
-        return result
-
-    ep_class._dispatch_tokens = recording_dispatch
     config = DistributedConfig(tp_size=1, fsdp_size=world, ep_size=world, ep_implementation=implementation)
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, distributed_config=config, experts_implementation="eager")
-    with moezoo_ep.AllToAllTraffic().record() as traffic:
+    record = lambda self, result: recorded_send_sizes.append(result[3].send_sizes)  # noqa: E731
+    with recording_dispatch(ep_class, record), moezoo_ep.AllToAllTraffic().record() as traffic:
         loss = model(input_ids=input_ids[rank], labels=input_ids[rank]).loss
     loss.backward()
 
@@ -104,39 +127,29 @@ def check_expert_parallel(model_dir: str, implementation: str, result_dir: str) 
     remote_rows = send_rows[:, rank, others].sum() + send_rows[:, others, rank].sum()
     row_bytes = MODEL_CONFIG["hidden_size"] * 4
     assert sum(call.bytes for call in traffic.calls if call.row_bytes == row_bytes) == remote_rows * row_bytes
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"bytes_sent": traffic.bytes_sent}))
-    dist.destroy_process_group()
-
+    return traffic.bytes_sent
 
 
 def check_tensor_parallel(model_dir: str) -> None:
     """`DedupAllToAllEP` under tensor parallelism (`tp_size=2, ep_size=2`): both ranks hold the same batch, each
     dispatches its slice of the tokens (15 tokens: uneven slices) and gathers the outputs back over the TP group; the
     loss and every gradient (gathered) equal one process."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from transformers import Qwen3MoeForCausalLM
     from transformers.distributed import DistributedConfig
 
     import moezoo.modeling.moe.expert_parallel as moezoo_ep
 
-    torch.set_num_threads(1)
     input_ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(0))
     reference = Qwen3MoeForCausalLM.from_pretrained(model_dir, experts_implementation="eager")
     reference_loss = reference(input_ids=input_ids, labels=input_ids).loss
     reference_loss.backward()
 
     tp_sizes = []
-    dispatch = moezoo_ep.DedupAllToAllEP._dispatch_tokens
-
-    def recording_dispatch(self, *args):
-        tp_sizes.append(self.tp_mesh.size())
-        return dispatch(self, *args)
-
-    moezoo_ep.DedupAllToAllEP._dispatch_tokens = recording_dispatch
     config = DistributedConfig(tp_size=2, ep_size=2, ep_implementation="dedup")
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, distributed_config=config, experts_implementation="eager")
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    with recording_dispatch(moezoo_ep.DedupAllToAllEP, lambda self, result: tp_sizes.append(self.tp_mesh.size())):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     assert tp_sizes == [2] * MODEL_CONFIG["num_hidden_layers"]  # every MoE layer took the TP branch
     torch.testing.assert_close(loss, reference_loss, atol=1e-5, rtol=0)
@@ -144,7 +157,6 @@ def check_tensor_parallel(model_dir: str) -> None:
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         torch.testing.assert_close(grad, reference.get_parameter(name).grad, atol=1e-5, rtol=1e-4,
                                    msg=lambda m: f"{name}: {m}")  # fmt: skip
-    dist.destroy_process_group()
 
 
 def check_zoo_experts(implementation: str, routing: str) -> None:
@@ -158,8 +170,6 @@ def check_zoo_experts(implementation: str, routing: str) -> None:
 
     from moezoo.modeling.moe import DedupAllToAllEP, MoeLayerSpec, SwiGLUExperts
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
     config = PreTrainedConfig()
@@ -193,6 +203,30 @@ def check_zoo_experts(implementation: str, routing: str) -> None:
     torch.testing.assert_close(rank_weights.grad, top_k_weights.grad[rank], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(local.gate_up_proj.grad, reference.gate_up_proj.grad[experts], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(local.down_proj.grad, reference.down_proj.grad[experts], atol=1e-5, rtol=1e-5)
+
+
+def run_checks(model_dir: str, result_dir: str) -> None:
+    """Every check of this world size in one process group, in the same order on every rank; each rank writes the
+    checks' failures (None where a check passed) and the bytes each EP implementation sent."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = expert_parallel_reference(model_dir, world)
+    checks = {implementation: partial(check_expert_parallel, model_dir, implementation, reference)
+              for implementation in ("all_to_all", "dedup")}  # fmt: skip
+    if world == 2:
+        checks["tensor-parallel"] = partial(check_tensor_parallel, model_dir)
+        checks.update({f"zoo-experts {implementation} {routing}": partial(check_zoo_experts, implementation, routing)
+                       for implementation, routing in ZOO_EXPERT_RUNS})  # fmt: skip
+    results = {}
+    for name, check in checks.items():
+        try:  # an assertion fails after the check's collectives, so the ranks stay in step for the next check
+            results[name] = {"failure": None, "bytes_sent": check()}
+        except AssertionError:
+            results[name] = {"failure": traceback.format_exc(), "bytes_sent": None}
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
@@ -205,31 +239,43 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-def run_processes(world: int, *args) -> None:
-    from conftest import free_port
+@pytest.fixture(scope="module")
+def launched(model_dir, tmp_path_factory):
+    """`launched(world)`: every rank's check results of the launch on `world` processes (run once per world size)."""
+    results = {}
 
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), __file__, *map(str, args)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    def launch(world: int) -> list[dict]:
+        if world not in results:
+            from conftest import free_port
+
+            result_dir = tmp_path_factory.mktemp(f"world{world}")
+            result = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+                 "127.0.0.1", "--master_port", str(free_port()), __file__, model_dir, result_dir],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr[-4000:]
+            results[world] = [json.loads(path.read_text()) for path in sorted(result_dir.glob("rank*.json"))]
+            assert len(results[world]) == world
+        return results[world]
+
+    return launch
+
+
+def passed(ranks: list[dict], check: str) -> list[dict]:
+    """Fail the test with the first rank's failure of `check`; else each rank's result of it."""
+    for rank, results in enumerate(ranks):
+        assert results[check]["failure"] is None, f"rank {rank}, {check}:\n{results[check]['failure']}"
+    return [results[check] for results in ranks]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_dedup_and_stock_ep_match_one_process_and_send_the_analytic_rows(model_dir, tmp_path, world):
-    bytes_sent = {}
-    for implementation in ("all_to_all", "dedup"):
-        result_dir = tmp_path / implementation
-        result_dir.mkdir()
-        run_processes(world, model_dir, implementation, result_dir)
-        bytes_sent[implementation] = sum(
-            json.loads(path.read_text())["bytes_sent"] for path in result_dir.glob("rank*.json")
-        )
+def test_dedup_and_stock_ep_match_one_process_and_send_the_analytic_rows(launched, world):
+    bytes_sent = {implementation: sum(result["bytes_sent"] for result in passed(launched(world), implementation))
+                  for implementation in ("all_to_all", "dedup")}  # fmt: skip
     # top-2 of 8 experts: a token's two experts often share a rank, and dedup sends it there once
     assert bytes_sent["dedup"] < bytes_sent["all_to_all"]
-
 
 
 def test_importing_moezoo_registers_the_dedup_ep():
@@ -352,21 +398,15 @@ def test_export_refuses_group_limited_routing_and_uneven_placements(binned_smoes
         smoes_export_bin_aligned(model)
 
 @pytest.mark.slow
-def test_dedup_ep_runs_the_zoo_experts(tmp_path):
-    run_processes(2, "zoo-experts", "eager", "random")
-    run_processes(2, "zoo-experts", SORTED_EXPERTS_IMPLEMENTATION, "random")
-    run_processes(2, "zoo-experts", "eager", "first-rank")
+def test_dedup_ep_runs_the_zoo_experts(launched):
+    for implementation, routing in ZOO_EXPERT_RUNS:
+        passed(launched(2), f"zoo-experts {implementation} {routing}")
 
 
 @pytest.mark.slow
-def test_dedup_ep_under_tensor_parallelism_matches_one_process(model_dir):
-    run_processes(2, "tensor-parallel", model_dir)
+def test_dedup_ep_under_tensor_parallelism_matches_one_process(launched):
+    passed(launched(2), "tensor-parallel")
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "zoo-experts":
-        check_zoo_experts(*sys.argv[2:])
-    elif sys.argv[1] == "tensor-parallel":
-        check_tensor_parallel(*sys.argv[2:])
-    else:
-        check_expert_parallel(*sys.argv[1:])
+    run_checks(*sys.argv[1:])
