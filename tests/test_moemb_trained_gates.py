@@ -39,7 +39,7 @@ from moezoo.training.moemb_adaptive import (
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 
 import test_moemb_adaptive as adaptive_tests
-from conftest import run_python
+from conftest import exported_moemb_outputs
 from test_moemb_adaptive import batch, item
 
 
@@ -233,6 +233,68 @@ def test_every_decision_is_per_sample(randomised, settings):
         )
 
 
+SKIP_BLOCKS = (3, 4, 5)  # attention, then two Gated DeltaNet blocks (4: GDN-β's pruning block)
+
+
+@pytest.fixture(scope="module")
+def skipping(inputs):
+    """Layer-skip gates whose decisions split the items: at block 3 and 5 one item skips, at block 4 two do."""
+    model = make_model(dict(layer_skip=True, layer_skip_blocks=list(SKIP_BLOCKS)))
+    layers = model.model.language_model.layers
+    generator = torch.Generator().manual_seed(3)
+    logits = {}
+    for block, skipping_items in zip(SKIP_BLOCKS, (1, 2, 1)):
+        gate = layers[block].skip_gate
+        hook = gate.register_forward_hook(lambda module, args, output: logits.__setitem__("gate", output[:, 0]))
+        with torch.no_grad():
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=generator))
+            model(**inputs, adaptive={"layer_skip": "learned"})
+            ranked = logits["gate"].sort().values
+            cut = len(ITEMS) - skipping_items
+            gate.bias -= (ranked[cut - 1] + ranked[cut]) / 2
+        hook.remove()
+    return model
+
+
+def block_rows(model, call) -> tuple[object, dict]:
+    """`call()`'s result and the rows (tokens) each decoder block received."""
+    rows = {}
+    layers = model.model.language_model.layers
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, index=index: rows.__setitem__(index, args[0].shape[:2]))
+        for index, layer in enumerate(layers)
+    ]
+    try:
+        return call(), rows
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    dict(token_pruning="gdn_beta", keep_ratio=0.5),  # decides at block 4, which two items bypass
+    dict(expert_skip="beta_rank", skip_fraction=0.3, top_k="uniform", experts_per_token=2),
+])  # fmt: skip
+def test_packed_layer_skip_leaves_the_bypassing_samples_out_of_the_block(skipping, inputs, settings):
+    settings = {"layer_skip": "learned"} | settings
+    packed, rows = block_rows(skipping, lambda: skipping(**inputs, adaptive=settings))
+    # The reference: masked execution computes every block on the whole batch and discards the bypassers' result.
+    masked, masked_rows = block_rows(skipping, lambda: skipping(**inputs, adaptive=settings | MASKED))
+    skipped = packed.adaptive.layer_skipped
+    assert skipped[:, list(SKIP_BLOCKS)].sum(0).tolist() == [1.0, 2.0, 1.0]
+    torch.testing.assert_close(packed.embeddings, masked.embeddings, atol=1e-5, rtol=0)
+    assert packed.adaptive.flops_saving == pytest.approx(masked.adaptive.flops_saving, abs=1e-9)
+    assert torch.equal(packed.adaptive.layer_skipped, masked.adaptive.layer_skipped)
+    assert all(masked_rows[block] == inputs["input_ids"].shape for block in SKIP_BLOCKS)
+    if settings.get("token_pruning"):
+        return  # tokens left after block 4: the counts below hold before the pruning
+    lengths = inputs["attention_mask"].sum(1)
+    for block in range(LAYERS):
+        running = skipped[:, block] == 0
+        assert rows[block] == (1, int(lengths[running].sum())), block
+
+
 def test_saved_gates_and_settings_round_trip_and_are_honoured(randomised, inputs, tmp_path):
     model = copy.deepcopy(randomised)
     model.config.adaptive = {"efficiency_policy": "greedy", "layer_skip": "learned"}
@@ -367,20 +429,12 @@ def test_an_exported_folder_with_trained_gates_honours_them_without_moezoo(rando
     MoEmbProcessor.from_pretrained(tiny_moemb).save_pretrained(created)
     export_folder(created, exported)
     inputs = batch(*ITEMS)
-    torch.save(inputs, tmp_path / "inputs.pt")
     with torch.no_grad():
         expected = model(**inputs)
     assert expected.adaptive.flops_saving > 0
-    torch.save(expected.embeddings, tmp_path / "expected.pt")
-    run_python(f"""
-        import torch, transformers
-        model = transformers.AutoModel.from_pretrained({str(exported)!r}, trust_remote_code=True).eval()
-        assert type(model).__module__.startswith("transformers_modules")
-        with torch.no_grad():
-            out = model(**torch.load({str(tmp_path / "inputs.pt")!r}))
-        torch.testing.assert_close(out.embeddings, torch.load({str(tmp_path / "expected.pt")!r}), atol=1e-6, rtol=0)
-        assert round(out.adaptive.flops_saving, 9) == {round(expected.adaptive.flops_saving, 9)}
-    """, without_moezoo=True)
+    embeddings, flops_saving = exported_moemb_outputs(exported, inputs, tmp_path)
+    torch.testing.assert_close(embeddings, expected.embeddings, atol=1e-6, rtol=0)
+    assert round(flops_saving, 9) == round(float(expected.adaptive.flops_saving), 9)
 
 
 def test_expected_flops_of_the_global_budget_follow_the_flops_model(inputs):

@@ -450,16 +450,23 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
                 block_input = hidden_states
                 trained = adaptive.trained if adaptive is not None else None
                 layer_skip = trained.layer_skip_mask(layer.layer_idx, hidden_states) if trained is not None else None
-                hidden_states = layer(
-                    hidden_states,
-                    position_embeddings=position_embeddings,
-                    attention_mask=masks[layer.layer_type],
-                    token_mask=attention_mask,
-                    routes=routes,
-                    packed=packed,
-                    adaptive=adaptive,
-                    **kwargs,
-                )
+                bypassed = None if layer_skip is None or trained.train else layer_skip[..., 0] > 0
+                if bypassed is not None and packed is not None:  # spec §3.10: the block runs the others only
+                    hidden_states = self._run_without(layer, hidden_states, bypassed[0], position_embeddings,
+                                                      routes, adaptive, **kwargs)  # fmt: skip
+                    layer_skip = None
+                else:
+                    with adaptive.bypassing(bypassed) if bypassed is not None else nullcontext():
+                        hidden_states = layer(
+                            hidden_states,
+                            position_embeddings=position_embeddings,
+                            attention_mask=masks[layer.layer_type],
+                            token_mask=attention_mask,
+                            routes=routes,
+                            packed=packed,
+                            adaptive=adaptive,
+                            **kwargs,
+                        )
                 if layer_skip is not None:  # h <- h + m (Block(h) - h), m = 1 - skip (spec §3.10)
                     hidden_states = block_input + (1 - layer_skip) * (hidden_states - block_input)
                 if trained is not None:
@@ -483,6 +490,29 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
             ),
             adaptive=adaptive.report(cu_seqlens) if adaptive is not None else None,
         )
+
+    def _run_without(self, layer, hidden_states, bypassed, position_embeddings, routes, adaptive, **kwargs):
+        """Packed execution of a block some samples bypass: their tokens (`bypassed` `(T,)`) are left out of the
+        block's packed row (index-selected out, cu_seqlens recomputed) and keep their hidden states."""
+        rows = (~bypassed).nonzero().flatten()
+        segments = adaptive.metadata.segment_id[0, rows]
+        sub_packed = PackedSequences.from_cu_seqlens(
+            F.pad(torch.unique_consecutive(segments, return_counts=True)[1].cumsum(0), (1, 0)), rows.numel()
+        ) if rows.numel() else None  # fmt: skip
+        with adaptive.running_only(rows, layer, hidden_states):
+            if sub_packed is None:  # every sample bypasses the block
+                return hidden_states
+            sub_hidden = hidden_states[:, rows]
+            output = layer(
+                sub_hidden,
+                position_embeddings=tuple(part[:, rows] for part in position_embeddings),
+                attention_mask=self.layer_masks(sub_hidden, None, sub_packed)[layer.layer_type],
+                routes=None if routes is None else routes[:, rows],
+                packed=sub_packed,
+                adaptive=adaptive,
+                **kwargs,
+            )
+        return hidden_states.index_copy(1, rows, output)
 
     def layer_masks(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, packed: PackedSequences | None

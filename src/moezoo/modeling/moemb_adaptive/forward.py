@@ -113,6 +113,11 @@ class AdaptiveReport:
         return 1.0 - self.executed_slots / self.routed_slots
 
 
+def beta_of(linear_attn: torch.nn.Module, mixer_input: torch.Tensor) -> torch.Tensor:
+    """β = sigmoid(in_proj_b(x)) of a Gated DeltaNet layer averaged over its heads (spec §2.1), `(B, S)` float."""
+    return torch.sigmoid(linear_attn.in_proj_b(mixer_input).float()).mean(-1)
+
+
 class AdaptiveForward:
     """The decisions of one forward. The decoder layers call `read_beta` (on the token mixer's input) and `routing`
     (around the MoE block: routed slots are post-processed); the text model calls `remove_dropped` after a layer
@@ -142,6 +147,9 @@ class AdaptiveForward:
         self.pending_drop = None  # (B, S) tokens leaving the forward after the current layer
         self.left_states = None  # (B, S, H) input layout: the hidden states of the tokens that left
         self.kept_slots = None  # (T, k) bool: the routed slots the current layer's MoE block runs
+        # (B, S) bool: tokens whose sample bypasses the current block (layer skip at inference); they take no decision
+        # there, so masked execution (block computed, result discarded) decides as packed execution (block not run).
+        self.bypassed = None
         self.trained = None  # the trained gates' actions, when the settings or a GateControl use them
         if text_model is not None:
             self.trained = TrainedActions(self, control, text_model)
@@ -153,12 +161,12 @@ class AdaptiveForward:
         """Reads β = sigmoid(in_proj_b(x)) averaged over the heads (spec §2.1) at a Gated DeltaNet layer, and takes
         the one-shot pruning decision at `prune_after_layer` (spec §3.3)."""
         settings = self.settings
-        if linear_attn is None or not (settings.token_pruning == "gdn_beta" or settings.expert_skip in BETA_SKIPS):
+        if linear_attn is None or not self.reads_beta:
             return
-        self.beta = torch.sigmoid(linear_attn.in_proj_b(mixer_input).float()).mean(-1)
+        self.beta = beta_of(linear_attn, mixer_input)
         if settings.token_pruning == "gdn_beta" and layer_idx == settings.prune_after_layer:
             meta = self.metadata
-            candidates = meta.alive & (meta.modality > 0) & ~meta.is_pooled  # only visual tokens are pruned
+            candidates = self.deciding() & (meta.modality > 0)  # only visual tokens are pruned
             kept = keep_highest(
                 self.beta.flatten(), meta.segment_id.flatten(), candidates.flatten(), settings.keep_ratio
             ).view_as(candidates)
@@ -186,7 +194,7 @@ class AdaptiveForward:
         settings, meta = self.settings, self.metadata
         segment = meta.segment_id.flatten()[routed]
         modality = meta.modality.flatten()[routed]
-        candidates = ~meta.is_pooled.flatten()[routed]
+        candidates = self.deciding().flatten()[routed]
         skip = torch.zeros_like(candidates)
         score = logits.max(-1).values if settings.expert_skip == "otsu_router_logit" else None
         if settings.expert_skip in BETA_SKIPS and self.beta is not None:  # no β before the first GDN layer
@@ -216,7 +224,9 @@ class AdaptiveForward:
             )
             renormalize = renormalize if trained_renormalize is None else trained_renormalize
         # A token dropped here skips this layer's routed experts too (the DROP action of spec §3.0): its hidden
-        # state is not read after this layer.
+        # state is not read after this layer. A bypassed token is counted at full compute (its block costs nothing).
+        if self.bypassed is not None:
+            kept = kept | self.bypassed.flatten()[routed][:, None]
         kept = kept & ~(skip | drop)[:, None]
 
         rows = torch.arange(meta.alive.shape[0])[:, None].expand_as(meta.alive).flatten()[routed.cpu()]
@@ -227,6 +237,55 @@ class AdaptiveForward:
         self.kept_slots = kept
         weights = apply_slot_mask(weights, kept, renormalize)
         return weights if scale is None else weights * scale[:, None].to(weights.dtype)
+
+    @property
+    def reads_beta(self) -> bool:
+        """Whether an action reads β at the Gated DeltaNet blocks."""
+        return self.settings.token_pruning == "gdn_beta" or self.settings.expert_skip in BETA_SKIPS
+
+    def deciding(self) -> torch.Tensor:
+        """`(B, S)` bool: the tokens that take a decision at the current block (never the pooled token)."""
+        meta = self.metadata
+        deciding = meta.alive & ~meta.is_pooled
+        return deciding if self.bypassed is None else deciding & ~self.bypassed
+
+    @contextmanager
+    def bypassing(self, bypassed: torch.Tensor):
+        """Masked execution of a block some samples bypass (`bypassed` `(B, S)`): they decide nothing there."""
+        self.bypassed = bypassed
+        try:
+            yield
+        finally:
+            self.bypassed = None
+
+    @contextmanager
+    def running_only(self, rows: torch.Tensor, layer: torch.nn.Module, hidden_states: torch.Tensor):
+        """Packed execution of `layer` run on the tokens at `rows` `(T',)` of the packed row alone (the others'
+        samples bypass it, spec §3.10): the metadata and β are those of the sub-pack while it runs, and the decisions
+        it takes (tokens to drop) are put back in the whole row's layout. Where the block reads β, the bypassing
+        tokens' β is read from their block input `hidden_states` normalised, as masked execution reads it."""
+        meta, beta = self.metadata, self.beta
+        runs = torch.zeros(meta.alive.shape[1], dtype=torch.bool, device=rows.device)
+        runs[rows] = True
+        self.metadata = meta.gather(rows[None], meta.alive[:, rows])
+        self.beta = None if beta is None else beta[:, rows]
+        try:
+            yield
+        finally:
+            self.metadata = meta
+            linear_attn = getattr(layer, "linear_attn", None)
+            if linear_attn is not None and self.reads_beta:
+                whole = torch.empty(meta.alive.shape, device=rows.device)
+                if rows.numel():
+                    whole[:, rows] = self.beta
+                whole[:, ~runs] = beta_of(linear_attn, layer.input_layernorm(hidden_states[:, ~runs]))
+                self.beta = whole
+            else:
+                self.beta = beta
+            if self.pending_drop is not None:
+                drop = torch.zeros_like(meta.alive)
+                drop[:, rows] = self.pending_drop
+                self.pending_drop = drop
 
     def remove_dropped(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """After the layer that dropped tokens: moves each row's survivors to its front (in order) and returns the new

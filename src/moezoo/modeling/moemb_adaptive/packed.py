@@ -9,6 +9,10 @@ saves into wall-clock time. Selected by `AdaptiveSettings.execution = "packed"` 
                (`compacted_experts`): a skipped slot costs nothing
     pruning    after a layer that drops tokens, every per-token tensor is index-selected (`TokenMetadata.gather`,
                `AdaptiveForward.remove_dropped` on the single row) and cu_seqlens recomputed from the segment ids
+    layer skip at inference, the segments that bypass a block (spec §3.10) are left out of its packed row: the others'
+               rows index-selected, cu_seqlens recomputed, the block's output scattered back
+               (`MoEmbTextModel._run_without`, `AdaptiveForward.running_only`); a bypassing segment takes no decision
+               there, in masked execution too (`AdaptiveForward.bypassing`), where the block runs and is discarded
     end        final norm, the pooled row of each segment, L2-normalised; the hidden states are put back in the
                input's padded layout (`PaddedBatch.unpack`), so the output looks as the masked forward's does
 

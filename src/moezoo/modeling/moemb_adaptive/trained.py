@@ -85,7 +85,7 @@ class TrainedActions:
         meta, record = self.forward.metadata, self.record
         block = self.layers[layer_idx].mlp
         x = self.router_input
-        candidates = ~meta.is_pooled.flatten()[routed]
+        candidates = self.forward.deciding().flatten()[routed]  # not the pooled token, nor a bypassing one
         renormalize, scale = None, None
         if self.null_experts:  # renormalised over the physical experts kept (spec A-23)
             null_logits = block.null_router(x)
