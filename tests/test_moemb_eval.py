@@ -305,11 +305,21 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
                  "--k", "2", "--execution", "masked"]  # fmt: skip
     assert run_eval(parser.parse_args(arguments)) == 0
     assert "adaptive computation: accuracy, FLOPs and throughput" in capsys.readouterr().out
+    text_only = tmp_path / "calibration" / "text_only.jsonl"
+    text_only.write_text("".join(json.dumps({"qry": f"query {i}", "qry_image_path": "", "pos_text": f"target {i}",
+                                             "pos_image_path": ""}) + "\n" for i in range(4)))  # fmt: skip
     bad_options = [
         (["--action", "topk", "modes", "--k", "2"], "--action takes one top_k method, got 'uniform' and 'modes'"),
         (["--action", "modes"], "--action modes needs --target-skip and --calibration"),
         (["--action", "topk", "--k", "9"], "--action: adaptive.experts_per_token=9"),
-    ]
+        (["--action", "modes", "--target-skip", "1.0", "--calibration", str(calibration)],
+         r"--target-skip 1.0 must lie in \[0, 1\)"),
+        (["--action", "modes", "--target-skip", "-0.1", "--calibration", str(calibration)],
+         r"--target-skip -0.1 must lie in \[0, 1\)"),
+        # MoDES calibrates a text and a visual threshold: data with text inputs only is refused, naming the option
+        (["--action", "modes", "--target-skip", "0.3", "--calibration", str(text_only), "--calibration-samples", "4"],
+         r"--calibration .*text_only.jsonl.* holds only 0 image input"),
+    ]  # fmt: skip
     for options, message in bad_options:
         with pytest.raises(ValueError, match=message):
             run_eval(parser.parse_args(["--model", str(tiny_moemb), "--benchmark", "mmeb", "--data", str(tmp_path),

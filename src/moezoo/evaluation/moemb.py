@@ -470,6 +470,8 @@ def modes_settings(args: argparse.Namespace, model, processor) -> dict:
                 "images) to calibrate MoDES, or a model whose config holds calibrated MoDES settings"
             )
         return {"modes_thresholds": stored.modes_thresholds, "modes_layer_scales": stored.modes_layer_scales}
+    if not 0 <= args.target_skip < 1:
+        raise ValueError(f"--target-skip {args.target_skip} must lie in [0, 1): the share of routed slots MoDES skips")
     if args.calibration is None:
         raise ValueError("--target-skip calibrates MoDES on --calibration FILE (MMEB training format): pass it")
     items = calibration_inputs(args.calibration, args.calibration_samples)
