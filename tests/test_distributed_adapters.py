@@ -116,29 +116,40 @@ def moe_vie_even_experts(moe_vie_folder, tmp_path_factory):  # noqa: F811
     return folder
 
 
+@pytest.fixture(scope="module")
+def moe_vie_reference(moe_vie_even_experts, tmp_path_factory):
+    """One process on the global batch (trained once per module): its folder and losses."""
+    folder = tmp_path_factory.mktemp("moe_vie_reference") / "one"
+    return folder, train("moe_vie", moe_vie_even_experts, folder, GLOBAL_BATCH)
+
+
 @pytest.mark.slow
-def test_moe_vie_under_expert_parallelism_trains_as_one_process(moe_vie_even_experts, tmp_path):
+def test_moe_vie_under_expert_parallelism_trains_as_one_process(moe_vie_even_experts, moe_vie_reference, tmp_path):
     """The 0-d logit_scale, which FSDP2 cannot shard, stays whole on every process and trains as the rest does.
     (Under --fsdp alone: the resume test below ends with one process's weights.)"""
-    reference = train("moe_vie", moe_vie_even_experts, tmp_path / "one", GLOBAL_BATCH)
+    folder, losses = moe_vie_reference
     run_processes(__file__, "moe_vie", moe_vie_even_experts, tmp_path / "out", "--ep", WORLD, nproc=WORLD,
                   timeout=300)  # fmt: skip
-    assert_same_weights(tmp_path / "out", tmp_path / "one")
-    assert_same_losses(tmp_path / "out", reference)
+    assert_same_weights(tmp_path / "out", folder)
+    assert_same_losses(tmp_path / "out", losses)
     initial = load_file(moe_vie_even_experts / "model.safetensors")["logit_scale"]
     assert load_file(tmp_path / "out" / "model.safetensors")["logit_scale"] != initial  # trained, not left out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["moe_vie", "mote"])
-def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_even_experts, videollm_folder,  # noqa: F811
-                                                               tmp_path):  # fmt: skip
+def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_even_experts, moe_vie_reference,
+                                                               videollm_folder, tmp_path):  # noqa: F811  # fmt: skip
     """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, an FSDP2 run ends with the
     weights of one uninterrupted process: MoE-ViE, sharded after loading (its logit_scale whole), and MoTE, sharded
     while loading, whose experts of a route not drawn before the checkpoint have no optimizer state there. MoE-ViE's
     saved folder loads in a fresh process."""
     model = {"moe_vie": moe_vie_even_experts, "mote": videollm_folder}[arch]
-    train(arch, model, tmp_path / "one", GLOBAL_BATCH, lora=False)
+    if arch == "moe_vie":
+        reference = moe_vie_reference[0]
+    else:
+        reference = tmp_path / "one"
+        train(arch, model, reference, GLOBAL_BATCH, lora=False)
     out, flags = tmp_path / "out", ("--fsdp", WORLD, "--save-steps", 1)
     stopped = run_distributed(arch, model, out, *flags, "--stop-at", 2, check=False)
     assert stopped.returncode != 0 and not out.exists()
@@ -146,7 +157,7 @@ def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_eve
     assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() and (checkpoint / "scheduler.pt").is_file()
     run_distributed(arch, model, out, *flags, "--resume")
     assert not (tmp_path / "out.checkpoints").exists()
-    assert_same_weights(out, tmp_path / "one")
+    assert_same_weights(out, reference)
     if arch == "mote":
         return
     run_python(f"""
