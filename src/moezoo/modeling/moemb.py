@@ -493,7 +493,8 @@ class MoEmbTextModel(MoEmbPreTrainedModel):
 
     def _run_without(self, layer, hidden_states, bypassed, position_embeddings, routes, adaptive, **kwargs):
         """Packed execution of a block some samples bypass: their tokens (`bypassed` `(T,)`) are left out of the
-        block's packed row (index-selected out, cu_seqlens recomputed) and keep their hidden states."""
+        block's packed row (index-selected out, cu_seqlens recomputed) and keep their hidden states. The block's
+        `output_hidden_states` entry holds the rows it ran, and is missing when every item bypasses it."""
         rows = (~bypassed).nonzero().flatten()
         segments = adaptive.metadata.segment_id[0, rows]
         sub_packed = PackedSequences.from_cu_seqlens(
