@@ -301,6 +301,9 @@ def test_beta_actions_need_gated_deltanet_layers_and_packed_batches_take_the_act
     config["text_config"]["layer_types"] = ["full_attention"] * LAYERS
     with pytest.raises(ValueError, match="β of Gated DeltaNet layers, and this model has none"):
         MoEmbConfig(**config, adaptive=dict(expert_skip="beta_rank"))
+    attention_only = MoEmbForEmbedding(MoEmbConfig(**config)).eval()  # the same check for one call
+    with pytest.raises(ValueError, match=r"model\(adaptive=...\): adaptive token_pruning='gdn_beta' .* has none"):
+        attention_only(**batch(item(4, (1, 2), 0)), adaptive={"token_pruning": "gdn_beta"})
     first, second = item(4, (1, 2), 0), item(6, (1, 4), 1)
     packed = {key: torch.cat([first[key], second[key]])[None] for key in first}
     with torch.no_grad():  # the actions on experts run on packed batches, per segment
