@@ -4,6 +4,7 @@ benchmarks' formats (with an embedder whose answers are known, and with the tiny
 import argparse
 import json
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from moezoo.evaluation.moemb import (
     ndcg_at_k,
     run_eval,
 )
+from moezoo.modeling import moemb_adaptive
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.processors.build_moemb import make_moemb_processor
 from moezoo.processors.qwen_tokens import IMAGE_TOKEN
@@ -250,7 +252,10 @@ def test_eval_command(tiny_moemb, tmp_path, capsys):
     assert "MRMR per subtask" in printed and "MRMR overall (mean over subtasks)" in printed
 
 
-def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb, tmp_path, capsys):
+def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb, tmp_path, capsys, monkeypatch):
+    # The command calibrates MoDES on the default 100-point grids (up to 200 forwards); a 10-point grid reaches the
+    # same target here in a tenth of the forwards (calibrate_modes' own search is tested in test_moemb_adaptive.py).
+    monkeypatch.setattr(moemb_adaptive, "calibrate_modes", partial(moemb_adaptive.calibrate_modes, grid_points=10))
     data = ShapeRetrieval()
     data.mmeb_eval_task("image_to_text", 3, 4, torch.Generator().manual_seed(0), tmp_path / "images").to_json(
         tmp_path / "image_to_text.jsonl"
