@@ -76,21 +76,25 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.stop_at:
-        trainer_class = TRAINER_CLASSES[args.arch]
-        training_step, calls = trainer_class.training_step, []
-
-        def interrupted_training_step(self, *step_args, **step_kwargs):
-            calls.append(None)
-            if len(calls) == args.stop_at:
-                raise KeyboardInterrupt
-            return training_step(self, *step_args, **step_kwargs)
-
-        trainer_class.training_step = interrupted_training_step
+        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
     try:
         train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
               args.resume)
     except KeyboardInterrupt:
         sys.exit(3)
+
+
+def interrupt_at(trainer_class, step: int) -> None:
+    """Make `trainer_class` raise KeyboardInterrupt at its `step`-th training step, as Ctrl-C would."""
+    training_step, calls = trainer_class.training_step, []
+
+    def interrupted_training_step(self, *step_args, **step_kwargs):
+        calls.append(None)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return training_step(self, *step_args, **step_kwargs)
+
+    trainer_class.training_step = interrupted_training_step
 
 
 def run_distributed(arch: str, model, out, *flags, check: bool = True):

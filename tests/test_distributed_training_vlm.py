@@ -1,12 +1,15 @@
 """`moezoo train omnimoe_vl` and `moezoo train smoes` on two gloo processes: DDP, FSDP2 (`--fsdp 2`) and expert
 parallelism (`--ep 2`, SMoES also with moezoo's `--ep-implementation dedup`) give the logged losses and the final
-weights of one process on the same global batch; LoRA under sharding is refused before loading. The token experts'
-load-balancing loss (`router_aux_loss_coef`) is computed on each process's batch, as transformers does, so the
-OmniMoE-VL model is compared without it. Tiny models, two steps, one thread per
-process; the helpers are those of tests/test_distributed_training.py.
+weights of one process on the same global batch, OmniMoE-VL sharded after loading for its 0-d `fusion_output_scale`
+(`moezoo.training.adapted_sharding`); so does `--lora` under `--fsdp 2`, the adapters attached before the sharding
+(under `--ep` it is refused before loading); an interrupted run resumes to the uninterrupted weights (SMoES under
+FSDP2, OmniMoE-VL under DDP). The token experts' load-balancing loss (`router_aux_loss_coef`) is computed on each
+process's batch, as transformers does, so the OmniMoE-VL model is compared without it. Tiny models, two steps, one
+thread per process; the helpers are those of tests/test_distributed_training.py.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
-ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME]`.
+ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--save-steps N]
+[--resume] [--stop-at STEP]`.
 """
 
 import argparse
@@ -18,10 +21,9 @@ import pytest
 import torch
 from transformers.distributed.expert_parallel import EPImplementationInterface
 
-from moezoo.modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from moezoo.training import omnimoe_vl, smoes
 from moezoo.training.arguments import trainer_options
-from moezoo.training.distributed import check_shardable
+from moezoo.training.sharded_checkpoints import DISTRIBUTED_CHECKPOINT
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
@@ -32,6 +34,7 @@ from test_distributed_training import (
     WORLD,
     assert_same_losses,
     assert_same_weights,
+    interrupt_at,
     run_processes,
 )
 from test_omnimoe_vl_training import QUESTIONS, image
@@ -42,13 +45,17 @@ from test_omnimoe_vl_training import QUESTIONS, image
 ANSWERS = ("red", "yes", "two", "one")
 
 
-def train(arch: str, model, data, out, batch_size: int, stage: str = "I", **sharding) -> dict:
-    """One run of `moezoo train ARCH`, deterministic: fixed data, no dropout, the same seed everywhere."""
-    common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, **sharding)
+def train(arch: str, model, data, out, batch_size: int, stage: str = "I", **options) -> dict:
+    """One run of `moezoo train ARCH`, deterministic: fixed data, no dropout, the same seed everywhere. `options`:
+    the sharding, checkpointing and LoRA options of the training options."""
+    common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, **options)
     if arch == "omnimoe_vl":
         options = omnimoe_vl.OmniMoeVlTrainingOptions(**common, stage=stage)
         return omnimoe_vl.train_omnimoe_vl(model, data, out, options)
     return smoes.train_smoes(model, data, out, smoes.SmoesTrainingOptions(**common))
+
+
+TRAINER_CLASSES = {"omnimoe_vl": omnimoe_vl.OmniMoeVlTrainer, "smoes": smoes.SmoesTrainer}
 
 
 def main(argv: list[str]) -> None:
@@ -59,8 +66,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fsdp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ep-implementation", default="auto")
+    parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.stop_at:
+        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
     # the EP implementation the run asked for (transformers' "auto" trains with "all_to_all") must carry its tokens
     name = "all_to_all" if args.ep_implementation == "auto" else args.ep_implementation
     implementation, dispatches = EPImplementationInterface()[name], []
@@ -71,13 +84,17 @@ def main(argv: list[str]) -> None:
         return dispatch(self, *dispatch_args)
 
     implementation._dispatch_tokens = counted_dispatch
-    train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, fsdp=args.fsdp, ep=args.ep,
-          ep_implementation=args.ep_implementation)
+    try:
+        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, fsdp=args.fsdp,
+              ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora, save_steps=args.save_steps,
+              resume=args.resume)
+    except KeyboardInterrupt:
+        sys.exit(3)
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
 
 
-def run_distributed(arch: str, folders, out, *flags):
-    return run_processes(__file__, arch, *folders[arch], out, *flags, nproc=WORLD, timeout=300)
+def run_distributed(arch: str, folders, out, *flags, check: bool = True):
+    return run_processes(__file__, arch, *folders[arch], out, *map(str, flags), nproc=WORLD, timeout=300, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -104,21 +121,23 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(folders, tmp_path_factory):
-    """`(arch, stage) -> (folder, training summary)` of the one-process run on the global batch, each run once."""
+    """`(arch, stage, lora rank) -> (folder, training summary)` of the one-process run on the global batch, each run
+    once."""
     runs = {}
 
-    def run(arch: str, stage: str):
-        if (arch, stage) not in runs:
-            out = tmp_path_factory.mktemp(f"{arch}-{stage}") / "one"
-            runs[arch, stage] = out, train(arch, *folders[arch], out, GLOBAL_BATCH, stage)
-        return runs[arch, stage]
+    def run(arch: str, stage: str, lora_r: int = 0):
+        if (arch, stage, lora_r) not in runs:
+            out = tmp_path_factory.mktemp(f"{arch}-{stage}-{lora_r}") / "one"
+            runs[arch, stage, lora_r] = out, train(arch, *folders[arch], out, GLOBAL_BATCH, stage, lora_r=lora_r)
+        return runs[arch, stage, lora_r]
 
     return run
 
 
-def check_same_as_one_process(arch: str, folders, one_process, tmp_path, *flags, stage: str = "I") -> None:
-    reference, summary = one_process(arch, stage)
-    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, *flags)
+def check_same_as_one_process(arch: str, folders, one_process, tmp_path, *flags, stage: str = "I",
+                              lora_r: int = 0) -> None:  # fmt: skip
+    reference, summary = one_process(arch, stage, lora_r)
+    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, "--lora", lora_r, *flags)
     assert_same_weights(tmp_path / "many", reference)
     assert_same_losses(tmp_path / "many", summary)
 
@@ -141,14 +160,23 @@ def test_sharded_smoes_trains_as_one_process(flags, folders, one_process, tmp_pa
     check_same_as_one_process("smoes", folders, one_process, tmp_path, *map(str, flags))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "stage"), [("omnimoe_vl", "II"), ("smoes", "I")],
+                         ids=["omnimoe_vl-stage-II", "smoes"])
+def test_lora_under_fsdp_trains_as_one_process(arch, stage, folders, one_process, tmp_path):
+    """The LoRA adapters (PEFT, on the fused experts through `target_parameters` and, for SMoES, on attention) are
+    attached before the sharding (`adapted_sharding`): FSDP2 shards them with their layers; the merged weights and
+    the losses are those of one process."""
+    check_same_as_one_process(arch, folders, one_process, tmp_path, "--fsdp", WORLD, stage=stage, lora_r=2)
+
+
 @pytest.mark.parametrize("arch", ["omnimoe_vl", "smoes"])
-def test_lora_under_sharding_is_refused_before_loading(arch, folders, tmp_path, monkeypatch):
-    """LoRA adds its adapters after transformers has sharded the model in `from_pretrained`: they would be neither
-    sharded nor synchronised. Trained in full, the same run shards (SMoES above)."""
+def test_lora_under_expert_parallelism_is_refused_before_loading(arch, folders, tmp_path, monkeypatch):
+    """PEFT's LoRA on fused experts adds one update built for all the experts to expert weights that EP splits."""
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the refusal comes before any collective
-    options = dict(steps=1, batch_size=1, fsdp=WORLD, lora_r=2)
-    with pytest.raises(ValueError, match="--fsdp / --ep shard the model while it loads, and --lora 2 adds LoRA "
-                                         "adapters after that; train this recipe with plain DDP"):  # fmt: skip
+    options = dict(steps=1, batch_size=1, ep=WORLD, lora_r=2)
+    with pytest.raises(ValueError, match=rf"--ep {WORLD} with --lora 2: PEFT's LoRA on the fused experts .*"
+                                         r"\(DTensors\).* train the LoRA recipe with --fsdp N"):  # fmt: skip
         if arch == "omnimoe_vl":
             omnimoe_vl.train_omnimoe_vl(*folders[arch], tmp_path / "out",
                                         omnimoe_vl.OmniMoeVlTrainingOptions(**options, stage="II"))
@@ -157,13 +185,35 @@ def test_lora_under_sharding_is_refused_before_loading(arch, folders, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_omnimoe_vl_sharding_is_refused_for_its_0d_parameter(folders):
-    """FSDP2 shards every parameter on dim 0: the projector's scalar `fusion_output_scale` keeps OmniMoE-VL on DDP."""
-    config = OmniMoeVlForConditionalGeneration.config_class.from_pretrained(folders["omnimoe_vl"][0])
-    for ep in (1, WORLD):
-        with pytest.raises(ValueError, match=r"0-d parameters \(model.projector.fusion_output_scale\), which FSDP2 "
-                                             "cannot shard; train it with plain DDP"):  # fmt: skip
-            check_shardable(OmniMoeVlForConditionalGeneration, config, ep)
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "flags"), [("smoes", ("--fsdp", WORLD)), ("omnimoe_vl", ())],
+                         ids=["smoes-fsdp", "omnimoe_vl-ddp"])
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(arch, flags, folders, one_process, tmp_path):
+    """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, the run ends with the weights of
+    one uninterrupted process: SMoES under FSDP2 from its distributed checkpoint (`ShardedCheckpointsMixin`: model,
+    SMoES buffers and optimizer state), OmniMoE-VL's Stage I under DDP from the Trainer's checkpoint (the depth
+    router's routing step included)."""
+    reference, summary = one_process(arch, "I")
+    out, flags = tmp_path / "out", (*flags, "--save-steps", 1)
+    stopped = run_distributed(arch, folders, out, *flags, "--stop-at", 2, check=False)
+    assert stopped.returncode != 0 and not out.exists()
+    checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
+    assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() == (arch == "smoes")
+    run_distributed(arch, folders, out, *flags, "--resume")
+    assert not (tmp_path / "out.checkpoints").exists()
+    assert_same_weights(out, reference)
+    step = {"smoes": "smoes_step", "omnimoe_vl": "routing_step"}[arch]  # the model's own clock, a buffer
+    assert json.loads((out / "moezoo.json").read_text())["training"][step] == summary[step] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "flags"), [("I", ("--fsdp", WORLD)), ("IV", ("--ep", WORLD))],
+                         ids=["stage-I-fsdp", "stage-IV-ep"])
+def test_sharded_omnimoe_vl_trains_as_one_process(stage, flags, folders, one_process, tmp_path):
+    """Sharded after loading (`adapted_sharding`): the projector's 0-d `fusion_output_scale`, which FSDP2 cannot shard,
+    stays whole on every process. Stage I trains the projector alone under FSDP2; Stage IV trains everything with
+    each process holding half of both stacks' experts (8 per MoE layer)."""
+    check_same_as_one_process("omnimoe_vl", folders, one_process, tmp_path, *flags, stage=stage)
 
 
 def test_an_ep_implementation_without_ep_is_refused(folders, tmp_path):

@@ -13,8 +13,10 @@ whole on every process:
    included. Modules the recipe added inside an experts module (MoEMB's expert adapters) become FSDP2 units of the
    dense mesh first: they are replicated per process, not split by expert, so their gradients, like the dense ones,
    are averaged over every process (the experts' own gradients are reduced over the expert-sharding group only).
-   0-d parameters (MoE-ViE's `logit_scale`), which FSDP2 cannot shard, stay whole (`parameters_set_aside`): a model
-   that holds them shards through here even with nothing to adapt.
+   0-d parameters (MoE-ViE's `logit_scale`, OmniMoE-VL's `fusion_output_scale`), which FSDP2 cannot shard, stay
+   whole (`parameters_set_aside`): a model that holds them shards through here even with nothing to adapt. PEFT's
+   LoRA on fused experts (`target_parameters`) shards under FSDP2 alone: under EP its update, built for all the
+   experts, would meet expert weights split over the processes (`distributed.refuse_expert_parallel_lora`).
 
 The cost: each process reads the whole model once before the shards are cut (a sharded load reads its shard only).
 At the end `unsharded_copy` gathers the trained weights into an unsharded model of the same recipe on every process,

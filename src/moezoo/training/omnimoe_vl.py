@@ -15,6 +15,11 @@
 - LoRA (`lora_r`, Stages II-IV): PEFT adapters on the fused experts of the stage's MoE blocks (`target_parameters`)
   and, in Stage IV, on the attention projections of both stacks; the projector and the token routers, small, train in
   full beside them (`OmniMoeVlLoraModel` keeps them in its checkpoints); merged at the end.
+- Several processes (`moezoo.training.distributed`): DDP, and `--fsdp` / `--ep` through
+  `moezoo.training.adapted_sharding`, which shards the model once the stage has set it up (what trains, SMoES, LoRA)
+  and keeps the projector's 0-d `fusion_output_scale`, which FSDP2 cannot shard, whole on every process; the
+  trainer's checkpoints of such a run are distributed checkpoints (`ShardedCheckpointsMixin`). LoRA shards under
+  `--fsdp` only (`refuse_expert_parallel_lora`).
 
 `train_omnimoe_vl` (`moezoo train omnimoe_vl`) writes the model, its processor, the loss curves and the depth-route
 heatmap (mean route weight per depth, per prompt type) to `out`, and a checkpoint beside it every `save_steps` steps,
@@ -55,8 +60,10 @@ from .arguments import (
 )
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
-from .distributed import check_enough_examples, load_for_training, main_process_output_dir, refuse_sharding
+from .adapted_sharding import load_adapted_for_training, unsharded_copy
+from .distributed import check_enough_examples, main_process_output_dir, refuse_expert_parallel_lora
 from .plots import plot_log_history
+from .sharded_checkpoints import ShardedCheckpointsMixin
 from .smoes_hosts import (
     LogsSmoesTerms,
     add_smoes_arguments,
@@ -276,8 +283,9 @@ class OmniMoeVlLoss(LogsSmoesTerms):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
-class OmniMoeVlTrainer(OmniMoeVlLoss, Trainer):
-    """`Trainer` with the model's own loss and its terms logged (`OmniMoeVlLoss`)."""
+class OmniMoeVlTrainer(OmniMoeVlLoss, ShardedCheckpointsMixin, Trainer):
+    """`Trainer` with the model's own loss and its terms logged (`OmniMoeVlLoss`), which checkpoints and resumes a
+    model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
 
 # --- the depth-route heatmap ----------------------------------------------------------------------------------------
@@ -357,14 +365,16 @@ class OmniMoeVlTrainingOptions(TrainerOptions):
 
 
 def load_omnimoe_vl_model(
-    model_dir: str | Path, options: TrainerOptions | None = None
-) -> tuple[OmniMoeVlForConditionalGeneration, OmniMoeVlProcessor]:
-    """The model and processor of an OmniMoE-VL folder, the model sharded as `options` ask (`--fsdp`, `--ep`, see
-    `moezoo.training.distributed`)."""
+    model_dir: str | Path, options: TrainerOptions | None = None, adapt=None
+) -> tuple[nn.Module, OmniMoeVlProcessor]:
+    """The model of an OmniMoE-VL folder, `adapt(model)` if given (the model to train: a PEFT model wrapping it, or
+    the model), and its processor. Under `--fsdp` / `--ep` the model is sharded after `adapt`
+    (`moezoo.training.adapted_sharding`): FSDP2 cannot shard the projector's 0-d `fusion_output_scale`, which stays
+    whole on every process."""
     options = options or TrainerOptions()
     folder, _ = model_folder(model_dir, "`moezoo train omnimoe_vl`", ["omnimoe_vl"])
-    model = load_for_training(OmniMoeVlForConditionalGeneration, folder, options.fsdp, options.ep,
-                              options.save_steps, options.ep_implementation)  # fmt: skip
+    model = load_adapted_for_training(OmniMoeVlForConditionalGeneration, folder, adapt, options.fsdp, options.ep,
+                                      options.ep_implementation)  # fmt: skip
     return model, OmniMoeVlProcessor.from_pretrained(folder)
 
 
@@ -382,32 +392,36 @@ def train_omnimoe_vl(
     stage_pattern(options.stage, options.train_projector)  # a bad stage fails before the loading
     if options.lora_r and options.stage == "I":
         raise ValueError("--lora applies to Stages II-IV: Stage I trains the projector alone, in full")
-    if options.lora_r:
-        refuse_sharding(options.fsdp, options.ep, f"--lora {options.lora_r} adds LoRA adapters")
+    refuse_expert_parallel_lora(options.ep, options.lora_r)
+    if options.router_utility_coef < 0:
+        raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
     checkpoint = checkpoint_to_resume(out, options)
     dataset = load_omnimoe_vl_dataset(data)
     check_enough_examples(len(dataset), options.batch_size)
-    model, processor = load_omnimoe_vl_model(model_dir, options)
-    if options.smoes is not None:
-        enable_smoes(model, options.smoes)
-    smoes = model.config.smoes_settings()
-    if smoes is not None and options.stage in ("I", "III") and (smoes.smoes_mi_coef or smoes.smoes_bal_coef):
-        raise ValueError(
-            f"SMoES (config.smoes) trains the language routers, which Stage {options.stage} freezes: train Stage II or "
-            "IV with it, or set smoes_mi_coef and smoes_bal_coef to 0"
-        )
-    if options.router_utility_coef < 0:
-        raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
-    if options.router_utility_coef:  # saved with the model: the next stage keeps it
-        model.config.router_utility = "grad"
-        model.config.router_utility_coef = options.router_utility_coef
-    learning_rate = options.learning_rate or STAGE_LEARNING_RATES[options.stage]
-    if options.lora_r:
-        set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
-        trained = with_lora(model, options.stage, options.lora_r, options.train_projector)
-    else:
+
+    def adapt(model: OmniMoeVlForConditionalGeneration) -> nn.Module:
+        """The stage's recipe on the loaded model, before any sharding: SMoES, L_util, what trains, LoRA."""
+        if options.smoes is not None:
+            enable_smoes(model, options.smoes)
+        smoes = model.config.smoes_settings()
+        if smoes is not None and options.stage in ("I", "III") and (smoes.smoes_mi_coef or smoes.smoes_bal_coef):
+            raise ValueError(
+                f"SMoES (config.smoes) trains the language routers, which Stage {options.stage} freezes: train Stage "
+                "II or IV with it, or set smoes_mi_coef and smoes_bal_coef to 0"
+            )
+        if options.router_utility_coef:  # saved with the model: the next stage keeps it
+            model.config.router_utility = "grad"
+            model.config.router_utility_coef = options.router_utility_coef
+        if options.lora_r:
+            set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
+            return with_lora(model, options.stage, options.lora_r, options.train_projector)
         set_trainable(model, options.stage, options.train_projector)
-        trained = model
+        return model
+
+    trained, processor = load_omnimoe_vl_model(model_dir, options, adapt)
+    model = trained.get_base_model() if options.lora_r else trained
+    smoes = model.config.smoes_settings()
+    learning_rate = options.learning_rate or STAGE_LEARNING_RATES[options.stage]
     counts = {"trainable": sum(p.numel() for p in trained.parameters() if p.requires_grad),
               "total": sum(p.numel() for p in trained.parameters())}  # fmt: skip
     collator = OmniMoeVlCollator(processor)
@@ -422,7 +436,10 @@ def train_omnimoe_vl(
         )
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
-        if trained is not model:
+        if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
+            trained = unsharded_copy(trained, lambda: load_omnimoe_vl_model(model_dir, adapt=adapt)[0])
+            model = trained.get_base_model() if options.lora_r else trained
+        if options.lora_r:
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)

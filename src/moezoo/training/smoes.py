@@ -8,6 +8,10 @@ or Qwen3-VL-MoE VLM with SMoES on).
   on the attention projections and the fused experts (`target_parameters`), the routers in full beside them (the SMoES
   losses act through the routers only); the adapters are merged at the end. Frozen routers with a non-zero SMoES
   coefficient are refused before training starts.
+- Several processes (`moezoo.training.distributed`): DDP, and `--fsdp` / `--ep` through
+  `moezoo.training.adapted_sharding`, which shards the model once what trains and the LoRA adapters are set; the
+  trainer's checkpoints of such a run are distributed checkpoints (`ShardedCheckpointsMixin`). LoRA shards under
+  `--fsdp` only (`refuse_expert_parallel_lora`).
 - The SMoES buffers (Gaussian statistics, dispatch counts, bins, `smoes_step`) advance once per training forward,
   in the model (spec §2.6, §2.8: with gradient accumulation, once per micro-batch); they are part of every
   checkpoint, so `resume` continues with them.
@@ -53,8 +57,10 @@ from .arguments import (
 )
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from .data import load_image_text_dataset
-from .distributed import check_enough_examples, load_for_training, main_process_output_dir, refuse_sharding
+from .adapted_sharding import load_adapted_for_training, unsharded_copy
+from .distributed import check_enough_examples, main_process_output_dir, refuse_expert_parallel_lora
 from .plots import plot_log_history
+from .sharded_checkpoints import ShardedCheckpointsMixin
 
 
 VISION_TOWER = "model.visual."
@@ -190,8 +196,9 @@ class SmoesLoss(LogsStepMeans):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
-class SmoesTrainer(SmoesLoss, Trainer):
-    """`Trainer` with the model's own loss and its SMoES terms logged (`SmoesLoss`)."""
+class SmoesTrainer(SmoesLoss, ShardedCheckpointsMixin, Trainer):
+    """`Trainer` with the model's own loss and its SMoES terms logged (`SmoesLoss`), which checkpoints and resumes a
+    model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
 
 # --- routing by modality: heatmap and MSI ---------------------------------------------------------------------------
@@ -257,15 +264,16 @@ class SmoesTrainingOptions(TrainerOptions):
 
 
 def load_smoes_model(
-    model_dir: str | Path, options: TrainerOptions | None = None
-) -> tuple[SmoesForConditionalGenerationMixin, SmoesQwen3_5MoeProcessor]:
-    """The model and processor of an SMoES folder, the model sharded as `options` ask (`--fsdp`, `--ep`,
-    `--ep-implementation`, see `moezoo.training.distributed`)."""
+    model_dir: str | Path, options: TrainerOptions | None = None, adapt=None
+) -> tuple[nn.Module, SmoesQwen3_5MoeProcessor]:
+    """The model of an SMoES folder, `adapt(model)` if given (the model to train: a PEFT model wrapping it, or the
+    model), and its processor. Under `--fsdp` / `--ep` (`--ep-implementation`) the model is sharded after `adapt`
+    (`moezoo.training.adapted_sharding`), what `adapt` added included."""
     options = options or TrainerOptions()
     hosts = [architecture.name for architecture in architectures_named("smoes")]
     folder, model_type = model_folder(model_dir, "`moezoo train smoes`", hosts)
-    model = load_for_training(get_architecture(model_type).model_class(), folder, options.fsdp, options.ep,
-                              options.save_steps, options.ep_implementation)  # fmt: skip
+    model = load_adapted_for_training(get_architecture(model_type).model_class(), folder, adapt, options.fsdp,
+                                      options.ep, options.ep_implementation)  # fmt: skip
     return model, SmoesQwen3_5MoeProcessor.from_pretrained(folder)
 
 
@@ -280,18 +288,21 @@ def train_smoes(
     loss curves (`training_curves.png`), the per-modality routing heatmap (`routing_by_modality.png`), each MoE
     layer's MSI (`smoes_msi.json`) and a provenance record to `out`. Returns the training summary."""
     options = options or SmoesTrainingOptions()
-    if options.lora_r:
-        refuse_sharding(options.fsdp, options.ep, f"--lora {options.lora_r} adds LoRA adapters")
+    refuse_expert_parallel_lora(options.ep, options.lora_r)
     checkpoint = checkpoint_to_resume(out, options)
     dataset = load_image_text_dataset(data)
     check_enough_examples(len(dataset), options.batch_size)
-    model, processor = load_smoes_model(model_dir, options)
-    if options.lora_r:
-        set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
-        trained = with_lora(model, options.lora_r, options.freeze_routers)
-    else:
+
+    def adapt(model: SmoesForConditionalGenerationMixin) -> nn.Module:
+        """What trains, and the LoRA adapters, on the loaded model (before any sharding)."""
+        if options.lora_r:
+            set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
+            return with_lora(model, options.lora_r, options.freeze_routers)
         set_trainable(model, options.freeze_routers)
-        trained = model
+        return model
+
+    trained, processor = load_smoes_model(model_dir, options, adapt)
+    model = trained.get_base_model() if options.lora_r else trained
     counts = {"trainable": sum(p.numel() for p in trained.parameters() if p.requires_grad),
               "total": sum(p.numel() for p in trained.parameters())}  # fmt: skip
     collator = SmoesCollator(processor)
@@ -306,7 +317,10 @@ def train_smoes(
         )
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
-        if trained is not model:
+        if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
+            trained = unsharded_copy(trained, lambda: load_smoes_model(model_dir, adapt=adapt)[0])
+            model = trained.get_base_model() if options.lora_r else trained
+        if options.lora_r:
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
