@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 # One worker per core; a file's tests stay on one worker so its module fixtures are built once.
 test: setup
-	$(PY) -m pytest -n auto --dist loadfile
+	$(PY) -m pytest -n auto --dist loadfile --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -n auto --dist loadfile -m "not slow"

@@ -46,6 +46,14 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{marker}: used by transformers' common tests")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold slow tests run first. `make test` hands each pytest-xdist worker one whole file at a time
+    (`--dist loadfile`), in collection order, so a long file collected late would leave the other worker idle while
+    it finishes; started first, the long files overlap with the many short ones."""
+    files_with_slow_tests = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in files_with_slow_tests)  # a stable sort: files stay whole, in order
+
+
 def run_python(code: str, env: dict | None = None, cwd=None, timeout: int = 300,
                without_moezoo: bool = False) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter; fail the test with its output if it fails."""
