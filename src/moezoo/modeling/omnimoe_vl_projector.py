@@ -29,6 +29,7 @@ from transformers.models.siglip.modeling_siglip import eager_attention_forward
 from transformers.utils import ModelOutput
 
 from ..configuration.omnimoe_vl import OmniMoeVlConfig
+from .moe.balancing import sum_over_processes
 from .moe.router import is_recomputing
 
 
@@ -111,20 +112,13 @@ def normalised_entropy(weights: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(weights, weights).sum(dim=-1) / math.log(weights.shape[-1])
 
 
-def summed_over_processes(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` summed over the data-parallel processes (in place), unchanged without torch.distributed."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
 def depth_balance(route: torch.Tensor, scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """L_bal = S sum_s f_s P_s (Switch style, spec D12): f_s the batch fraction of route slots on depth s (the route
     actually taken, exploration included), P_s the batch mean of softmax(r / T)_s. 1 when both are uniform.
 
     f_s (no gradient) counts the slots of every data-parallel process, P_s this process's samples: processes holding
     as many samples each then average to the loss and gradients of one process on the global batch."""
-    slots = summed_over_processes((route > 0).float().sum(dim=0))
+    slots = sum_over_processes((route > 0).float().sum(dim=0))
     fraction = slots / slots.sum()
     probability = torch.softmax(scores.float() / temperature, dim=-1).mean(dim=0)
     return route.shape[-1] * (fraction * probability).sum()
@@ -336,7 +330,7 @@ class OmniMoeVlDepthRouter(nn.Module):
     @torch.no_grad()
     def _update_usage(self, route: torch.Tensor) -> None:
         # n_s: samples whose route holds depth s; every rank keeps the same c, hence routes alike (spec D30)
-        counts = summed_over_processes((route > 0).float().sum(dim=0))
+        counts = sum_over_processes((route > 0).float().sum(dim=0))
         decay = self.config.usage_ema_decay
         self.depth_usage_ema.mul_(decay).add_((1 - decay) * counts)
 

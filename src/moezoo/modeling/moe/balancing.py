@@ -12,6 +12,14 @@ from torch import nn
 from .router import TopKRouter
 
 
+def sum_over_processes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the data-parallel processes (in place), unchanged without torch.distributed: balancing
+    statistics counted on every process's share of the global batch become the global batch's."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def balanced_routers(model: nn.Module) -> list[TopKRouter]:
     """The routers of `model` that carry a selection-only balancing bias."""
     return [m for m in model.modules() if isinstance(m, TopKRouter) and m.e_score_correction_bias is not None]
@@ -30,8 +38,8 @@ def update_routing_biases(model: nn.Module, sync_processes: bool = True) -> int:
         return 0
     # One flat tensor, so that one all_reduce sums every router's counts (layers may have different expert counts).
     counts = torch.cat([router.tokens_per_expert for router in routers])
-    if sync_processes and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)
+    if sync_processes:
+        sum_over_processes(counts)
     updated = 0
     for router, router_counts in zip(routers, counts.split([router.num_experts for router in routers])):
         if not router.weight.requires_grad:

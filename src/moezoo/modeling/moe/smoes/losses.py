@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .state import sum_over_processes
+from ..balancing import sum_over_processes
 
 
 BALANCE_MODES = ("global", "intra_bin")

@@ -15,22 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
+from ..balancing import sum_over_processes
 from ..router import is_recomputing
 from .bins import adaptive_bins, contiguous_bins
 from .scores import NUM_MODALITIES, attention_mixed_scores, gaussian_scores, one_hot_scores, residual_score_update
-
-
-def sum_over_processes(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` summed over the data-parallel processes (in place), unchanged without torch.distributed: every
-    process then updates its buffers from the same global statistics and keeps the same bins."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
 
 
 @dataclass
