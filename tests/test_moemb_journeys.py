@@ -10,15 +10,14 @@ from transformers import TrainingArguments
 
 from moezoo.modeling.moemb import MoEmbForEmbedding
 from moezoo.processors.moemb import MoEmbProcessor
+from moezoo.training.expert_lora import EXPERT_LORA_FILE, expert_adapters
 from moezoo.training.moemb import (
-    EXPERT_LORA_FILE,
     LoraOptions,
     MoEmbCollator,
     MoEmbLoraModel,
     MoEmbTrainer,
     MoEmbTrainingOptions,
     apply_lora,
-    expert_adapters,
     load_mmeb_dataset,
     merge_lora,
     train_moemb,

@@ -33,7 +33,6 @@ them (`moezoo.training.arguments`).
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -45,11 +44,8 @@ import numpy as np
 import torch
 from datasets import Dataset, concatenate_datasets
 from peft import LoraConfig
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
-from torch.distributed.tensor import DTensor
-from torch.nn.utils import parametrize
 from transformers import Trainer, set_seed
 
 from .. import __version__
@@ -57,7 +53,6 @@ from ..configuration.moemb import TOKEN_MODALITIES
 from ..configuration.smoes_settings import SmoesSettings
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
-from ..modeling.moe.experts import SwiGLUExperts
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
@@ -66,7 +61,6 @@ from ..processors.moemb import MoEmbProcessor, mmeb_input
 from ..terminal import console, print_table
 from .arguments import (
     TrainerOptions,
-    PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
     loss_summary,
@@ -82,6 +76,7 @@ from .distributed import (
     main_process_output_dir,
     world,
 )
+from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
 from .moemb_grpo import add_grpo_arguments, run_grpo
 from .plots import plot_log_history
@@ -344,8 +339,6 @@ LORA_TARGETS = (
     r"|.*visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc(1|2))|.*visual\.merger\.linear_fc(1|2)"
 )
 GDN_LORA_TARGETS = r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)"
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-EXPERT_LORA_FILE = "expert_lora.safetensors"
 
 
 @dataclass
@@ -359,82 +352,10 @@ class LoraOptions:
     train_router: bool | None = None  # None: the config's router_trainable
 
 
-class GroupedExpertLoRA(nn.Module):
-    """A parametrization of fused expert weights `W (E, out, in)`: `W_e + (alpha / r) B_g A_g` for every expert `e`
-    of group `g` (`num_groups` runs of consecutive experts). With one group, a single adapter serves all experts of
-    the layer, as Megatron's LoRA on grouped experts does (spec A-3). `A` starts Kaiming-uniform and `B` at zero, as
-    PEFT's, so the model is unchanged at initialisation; every experts implementation reads the adapted weight."""
-
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: int, num_groups: int):
-        super().__init__()
-        num_experts, out_features, in_features = weight.shape
-        if num_groups < 1 or num_experts % num_groups:
-            raise ValueError(f"expert LoRA groups must divide the {num_experts} experts, got {num_groups}")
-        self.num_groups = num_groups
-        self.scaling = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(num_groups, rank, in_features, dtype=weight.dtype, device=weight.device))
-        self.lora_B = nn.Parameter(
-            torch.zeros(num_groups, out_features, rank, dtype=weight.dtype, device=weight.device)
-        )
-        for matrix in self.lora_A:
-            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        delta = self.scaling * (self.lora_B @ self.lora_A)  # (G, out, in)
-        if isinstance(weight, DTensor):
-            # Expert parallelism (`--ep`): this process holds a contiguous range of the experts, whose groups' deltas
-            # it adds to its own shard; the experts run on that shard.
-            (mesh_dim,) = [dim for dim, placement in enumerate(weight.placements) if placement.is_shard(0)]
-            rank, num_experts = weight.device_mesh.get_local_rank(mesh_dim), weight.shape[0]
-            local = weight.to_local()
-            experts = torch.arange(rank * len(local), (rank + 1) * len(local), device=local.device)
-            return local + delta[experts * self.num_groups // num_experts]
-        # Broadcast over the experts of each group without copying the delta per expert.
-        return (weight.unflatten(0, (self.num_groups, -1)) + delta[:, None]).flatten(0, 1)
-
-
-def expert_adapters(model: nn.Module) -> dict[str, GroupedExpertLoRA]:
-    """The expert adapters of a model, by `<experts module>.<weight name>`."""
-    return {
-        f"{module_name}.{name}": module.parametrizations[name][0]
-        for module_name, module in model.named_modules()
-        if isinstance(module, SwiGLUExperts) and parametrize.is_parametrized(module)
-        for name in module.parametrizations
-    }
-
-
-def load_expert_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], alpha: int, trainable: bool) -> None:
-    """Set the expert adapters of `model` to `tensors` (`<experts module>.<weight name>.lora_A` / `.lora_B`),
-    registering them first on a model that has none (their rank and groups are the tensors' shapes)."""
-    adapters = expert_adapters(model)
-    saved = sorted({key.rsplit(".", 1)[0] for key in tensors})
-    if adapters and sorted(adapters) != saved:
-        raise ValueError(
-            f"the saved expert adapters ({len(saved)}) are not those of the model ({len(adapters)}): the adapter was "
-            "trained with other --expert-lora options or on another model"
-        )
-    modules = dict(model.named_modules())
-    for key in saved:
-        if key not in adapters:
-            module_name, name = key.rsplit(".", 1)
-            module = modules.get(module_name)
-            if not isinstance(module, SwiGLUExperts) or name not in EXPERT_PARAMETERS:
-                raise ValueError(f"the saved expert adapter {key} names no expert weight of this model")
-            groups, rank, _ = tensors[f"{key}.lora_A"].shape
-            adapters[key] = GroupedExpertLoRA(getattr(module, name), rank, alpha, groups)
-            parametrize.register_parametrization(module, name, adapters[key])
-        adapters[key].load_state_dict({"lora_A": tensors[f"{key}.lora_A"], "lora_B": tensors[f"{key}.lora_B"]})
-        adapters[key].requires_grad_(trainable)
-
-
-class MoEmbLoraModel(PeftModelWithTrainedBase):
-    """PEFT's model of `apply_lora`, saving and loading the expert adapters and the trained routers too. The expert
-    adapters are parametrizations PEFT does not know: `PeftModel.save_pretrained` leaves them out of the adapter (and
-    so of the Trainer's checkpoints), and a reloaded or resumed model would silently lose them. `save_pretrained`
-    writes them to `expert_lora.safetensors` beside PEFT's files; `load_adapter` (what
-    `MoEmbLoraModel.from_pretrained` and the Trainer's `resume_from_checkpoint` call) reads them back, onto a fresh
-    base model too. The routers, when they train (`--train-router`), are kept as `PeftModelWithTrainedBase` keeps
-    parameters trained in full. One adapter ("default") at a time."""
+class MoEmbLoraModel(ExpertLoraModel):
+    """PEFT's model of `apply_lora`, saving and loading the expert adapters (`ExpertLoraModel`) and the trained
+    routers too. The routers, when they train (`--train-router`), are kept as `PeftModelWithTrainedBase` keeps
+    parameters trained in full."""
 
     def trained_base_parameters(self) -> dict[str, nn.Parameter]:
         return {
@@ -444,25 +365,6 @@ class MoEmbLoraModel(PeftModelWithTrainedBase):
             for name, parameter in module.named_parameters()
             if parameter.requires_grad
         }
-
-    def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
-        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
-        tensors = {
-            f"{key}.{name}": parameter.detach().contiguous()
-            for key, adapter in expert_adapters(self.get_base_model()).items()
-            for name, parameter in adapter.named_parameters()
-        }
-        if tensors and is_main_process:
-            save_file(tensors, str(Path(save_directory) / EXPERT_LORA_FILE))
-
-    def load_adapter(self, model_id, adapter_name: str, is_trainable: bool = False, **kwargs):
-        result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
-        path = Path(model_id) / EXPERT_LORA_FILE
-        if path.is_file():
-            tensors = load_file(str(path), device=str(self.get_base_model().device))
-            load_expert_adapters(self.get_base_model(), tensors, self.peft_config[adapter_name].lora_alpha,
-                                 is_trainable)  # fmt: skip
-        return result
 
 
 def expert_lora_mode(config, options: LoraOptions) -> str:
@@ -491,31 +393,14 @@ def apply_lora(model: MoEmbForEmbedding, options: LoraOptions) -> MoEmbLoraModel
         trainable_token_indices={"embed_tokens": [config.emb_token_id]} if config.pooling == "emb_token" else None,
     )
     peft_model = MoEmbLoraModel(model, lora_config)
-    # Registered after PEFT, which would otherwise take these `lora_` parameters for its own when merging.
     if experts != "none":
         groups = {"shared": 1, "grouped": options.expert_groups, "per-expert": config.text_config.num_experts}[experts]
-        for module in peft_model.modules():
-            if isinstance(module, SwiGLUExperts):
-                for name in EXPERT_PARAMETERS:
-                    weight = getattr(module, name)
-                    adapter = GroupedExpertLoRA(weight, options.rank, options.alpha, groups)
-                    # under --ep the adapted weight is this process's shard (`GroupedExpertLoRA.forward`)
-                    parametrize.register_parametrization(module, name, adapter, unsafe=isinstance(weight, DTensor))
+        add_expert_adapters(peft_model, options.rank, options.alpha, groups)
     train_router = config.router_trainable if options.train_router is None else options.train_router
     for module in peft_model.modules():
         if isinstance(module, TopKRouter):
             module.requires_grad_(train_router)
     return peft_model
-
-
-def merge_lora(peft_model) -> MoEmbForEmbedding:
-    """The model with every adapter folded into its weights: PEFT's, then the expert parametrizations."""
-    model = peft_model.merge_and_unload()
-    for module in model.modules():
-        if parametrize.is_parametrized(module):
-            for name in list(module.parametrizations):
-                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
-    return model
 
 
 def count_trainable(model: nn.Module) -> int:
