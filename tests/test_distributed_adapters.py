@@ -1,11 +1,11 @@
 """`--fsdp` / `--ep` through `moezoo.training.adapted_sharding` (the model loaded whole, adapted, then sharded), on
 two gloo processes: MoEMB's LoRA recipe (PEFT adapters, the `<emb>` row, the expert adapters shared by a layer's
-experts or one per expert) under FSDP2 and under EP, MoTE's `--lora-r` under FSDP2, and MoE-ViE (its 0-d
-`logit_scale` kept whole) under FSDP2 and EP give the losses and the final (merged) weights of one process on the
-same global batches. Tiny models, two steps, one thread per process.
+experts or one per expert) under FSDP2 and under EP, MoTE's `--lora-r` and `--add-expert` (a new expert) under
+FSDP2, and MoE-ViE (its 0-d `logit_scale` kept whole) under FSDP2 and EP give the losses and the final (merged)
+weights of one process on the same global batches. Tiny models, two steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_adapters.py
-ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE]`.
+ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--add-expert]`.
 """
 
 import argparse
@@ -22,6 +22,7 @@ from transformers import AutoImageProcessor
 
 from moezoo.configuration.mote import VideoLlmMoteConfig
 from moezoo.modeling.moe_vie import MoeVieModel
+from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from moezoo.processors.mote import VideoLlmMoteFrameProcessor
 from moezoo.training import moemb, mote
 from moezoo.training.sharded_checkpoints import DISTRIBUTED_CHECKPOINT
@@ -45,10 +46,13 @@ from test_distributed_training import train as train_full
 # Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
 from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
 
+NEW_EXPERT = "proc"  # the expert MoTE's expert addition adds
+
 
 def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, expert_lora: str = "shared",
-          lora: bool = True) -> dict:  # fmt: skip
-    """One run of the training command (`lora=False`: MoTE's joint training in full, as test_distributed_training's)."""
+          lora: bool = True, add_expert: bool = False) -> dict:  # fmt: skip
+    """One run of the training command (`lora=False`: MoTE's joint training in full, as test_distributed_training's;
+    `add_expert`: MoTE's expert addition of `NEW_EXPERT`, copied from the `next` expert, on its task's examples)."""
     if arch == "moe_vie" or not lora:  # MoE-ViE: no adapters; sharded after loading for its 0-d logit_scale
         return train_full(arch, model, out, batch_size, fsdp, ep)
     common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, fsdp=fsdp, ep=ep)
@@ -58,8 +62,13 @@ def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, ex
         return moemb.train_moemb(model, data, out, moemb.MoEmbTrainingOptions(**common, warmup_steps=0, lora=lora))
     AutoImageProcessor.register(VideoLlmMoteConfig, image_processor_classes={"pil": VideoLlmMoteFrameProcessor},
                                 exist_ok=True)  # fmt: skip
-    data = ProcedureVideos().dataset({"step": 8, "next": 8}, torch.Generator().manual_seed(0))
-    return mote.train_mote(model, data, out, mote.MoteTrainingOptions(**common, lora_r=2))
+    if add_expert:
+        data = ProcedureVideos().dataset({NEW_EXPERT: 8}, torch.Generator().manual_seed(0))
+        options = mote.MoteTrainingOptions(**common, add_expert=NEW_EXPERT, init_from="next")
+    else:
+        data = ProcedureVideos().dataset({"step": 8, "next": 8}, torch.Generator().manual_seed(0))
+        options = mote.MoteTrainingOptions(**common, lora_r=2)
+    return mote.train_mote(model, data, out, options)
 
 
 def main(argv: list[str]) -> None:
@@ -70,9 +79,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fsdp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--expert-lora", default="shared")
+    parser.add_argument("--add-expert", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora)
+    train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora,
+          add_expert=args.add_expert)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +113,25 @@ def test_mote_lora_under_fsdp_trains_as_one_process(videollm_folder, tmp_path): 
     run_processes(__file__, "mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD, nproc=WORLD, timeout=300)
     assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
     assert_same_losses(tmp_path / "fsdp", reference)
+
+
+@pytest.mark.slow
+def test_mote_expert_addition_under_fsdp_trains_as_one_process(videollm_folder, tmp_path):  # noqa: F811
+    """The new expert is added before the sharding (`adapted_sharding`), so FSDP2 shards it with its layer; every
+    process trains its route at every step. The losses and weights are those of one process, the new expert trained
+    and every other weight unchanged (frozen), and the saved folder loads with the new expert."""
+    reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH, add_expert=True)
+    run_processes(__file__, "mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD, "--add-expert", nproc=WORLD,
+                  timeout=300)  # fmt: skip
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
+    assert_same_losses(tmp_path / "fsdp", reference)
+    model = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "fsdp")
+    assert model.config.text_config.mote_expert_names[-1] == NEW_EXPERT
+    initial = load_file(videollm_folder / "model.safetensors")
+    trained = load_file(tmp_path / "fsdp" / "model.safetensors")
+    new = [name for name in trained if f".experts.{NEW_EXPERT}." in name]
+    assert new and all(not torch.equal(trained[name], initial[name.replace(NEW_EXPERT, "next")]) for name in new)
+    assert all(torch.equal(trained[name], tensor) for name, tensor in initial.items())
 
 
 @pytest.fixture(scope="module")

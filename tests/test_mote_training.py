@@ -545,6 +545,8 @@ def test_training_only_the_kie_expert_keeps_the_ocr_route_glm_ocr_bit_for_bit(gl
         train_mote(folder, receipts, tmp_path / "x", MoteTrainingOptions(steps=1, train_experts=("kei",)))
     with pytest.raises(ValueError, match="does not combine with add_expert or lora_r"):
         train_mote(folder, receipts, tmp_path / "y", MoteTrainingOptions(steps=1, train_experts=("kie",), lora_r=4))
+    with pytest.raises(ValueError, match="add_expert trains the new expert 'kie_v2' alone.* drop lora_r"):
+        train_mote(folder, receipts, tmp_path / "z", MoteTrainingOptions(steps=1, add_expert="kie_v2", lora_r=4))
 
 
 # --------------------------------------------------------------------------------------- synthetic procedure videos

@@ -62,7 +62,7 @@ from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
-from .distributed import load_for_training, main_process_output_dir, refuse_sharding
+from .distributed import load_for_training, main_process_output_dir
 from .plots import plot_log_history
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
@@ -385,8 +385,8 @@ class MoteTrainingOptions(TrainerOptions):
 def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, ep_implementation: str = "auto",
                     adapt=None):
     """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder, the model sharded as `--fsdp` / `--ep`
-    ask (see `moezoo.training.distributed`); with `adapt`, `adapt(model)` (LoRA), attached before the sharding
-    (`moezoo.training.adapted_sharding`)."""
+    ask (see `moezoo.training.distributed`); with `adapt`, `adapt(model)` (LoRA, a new expert), applied before the
+    sharding (`moezoo.training.adapted_sharding`)."""
     folder, model_type = model_folder(
         model_dir, "`moezoo train mote`", TRAINABLE,
         other_types="train the text-only Llama-MoTE with TRL's SFTTrainer and TaskIdsCollator",
@@ -485,6 +485,11 @@ def train_mote(
             "train_experts trains those experts alone, with everything else frozen; it does not combine with "
             "add_expert or lora_r"
         )
+    if options.add_expert and options.lora_r:
+        raise ValueError(
+            f"add_expert trains the new expert {options.add_expert!r} alone, with everything else frozen, so there is "
+            "no attention to put LoRA on: drop lora_r (--lora-r), or train jointly without add_expert"
+        )
     if options.ep > 1:
         raise ValueError(
             f"--ep {options.ep}: MoTE's task experts are whole FFNs chosen per example, and every process trains the "
@@ -492,8 +497,6 @@ def train_mote(
             "global batch to the one process holding that route's expert while the others wait; shard them with "
             f"--fsdp {options.ep} instead, which also holds 1/{options.ep} of every expert per process"
         )
-    if options.add_expert:
-        refuse_sharding(options.fsdp, options.ep, "expert addition adds a trainable expert")
     checkpoint = checkpoint_to_resume(out, options)
 
     def with_lora(model) -> MoteLoraModel:
@@ -501,12 +504,22 @@ def train_mote(
         set_seed(options.seed)  # before the adapters' random initialisation: the Trainer seeds only what follows
         return with_attention_lora(model, options.lora_r)
 
-    # LoRA is attached before the model is sharded under --fsdp (`adapted_sharding`)
-    load = partial(load_mote_model, model_dir, adapt=with_lora if options.lora_r and not options.add_expert else None)
+    def with_new_expert(model):
+        """Expert addition (spec §3.3): the new expert in every MoTE layer, everything else frozen."""
+        nonlocal dense_source  # loaded once: the unsharded copy of a sharded run adds the expert again
+        if options.init_from == "dense" and dense_source is None:
+            dense_source = load_dense_base(model, options.base_model)
+        model.add_expert(options.add_expert, options.init_from, dense_source, options.description)
+        model.freeze_for_expert_addition(options.add_expert)
+        return model
+
+    # What a recipe adds after loading (LoRA, a new expert) is there before the model is sharded under --fsdp
+    # (`adapted_sharding`), so that FSDP2 shards it with its layer; each step trains one route on every process
+    # (`MoteBucketBatchSampler`), so every process runs, gathers and reduces the same units.
+    adapt = with_new_expert if options.add_expert else with_lora if options.lora_r else None
+    load = partial(load_mote_model, model_dir, adapt=adapt)
     trained, processor = load(options.fsdp, options.ep, options.ep_implementation)
     model = trained.get_base_model() if isinstance(trained, MoteLoraModel) else trained
-    if options.add_expert and options.init_from == "dense" and dense_source is None:
-        dense_source = load_dense_base(model, options.base_model)
     if options.train_experts:  # before reading the data, so that a misspelt expert fails naming the experts
         model.freeze_all_but_experts(list(options.train_experts))
     # Expert addition and expert training train on their experts' tasks only (spec §3.3, §7.4).
@@ -514,9 +527,7 @@ def train_mote(
     dataset = load_mote_dataset(data, tasks)
     text_config = model.config.get_text_config()
     if options.add_expert:
-        model.add_expert(options.add_expert, options.init_from, dense_source, options.description)
-        model.freeze_for_expert_addition(options.add_expert)
-        trained, recipe = model, f"expert addition of {options.add_expert!r} (from {options.init_from!r})"
+        recipe = f"expert addition of {options.add_expert!r} (from {options.init_from!r})"
     elif options.train_experts:
         trained, recipe = model, f"experts {', '.join(options.train_experts)} only"
     else:
@@ -535,9 +546,10 @@ def train_mote(
         )
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
-        if trained is not model:  # LoRA: merged into the attention weights
-            if options.fsdp > 1 or options.ep > 1:
-                trained = unsharded_copy(trained, lambda: load()[0])
+        if adapt is not None and options.fsdp > 1:  # sharded after adapting: gathered into an unsharded copy
+            trained = unsharded_copy(trained, lambda: load()[0])
+            model = trained.get_base_model() if isinstance(trained, MoteLoraModel) else trained
+        if isinstance(trained, MoteLoraModel):  # merged into the attention weights
             model = trained.merge_and_unload()
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
