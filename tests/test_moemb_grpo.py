@@ -17,7 +17,7 @@ from conftest import exported_moemb_outputs
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.hub.export import export_folder
 from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead, GateControl, controlled_gates
+from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead, GateControl, SharedDraws, controlled_gates
 from moezoo.training.moemb_grpo import (
     GatePolicyGRPOTrainer,
     GrpoOptions,
@@ -112,6 +112,22 @@ def test_identical_candidates_are_neither_negatives_nor_ranked_above_the_positiv
     assert float(in_batch_accuracy(candidates, candidates, keys)) == 1.0
 
 
+def test_a_share_of_the_batch_rewarded_against_all_candidates_gets_the_whole_batchs_rewards():
+    """What a process of a distributed launch computes: its inputs against every process's candidates, its positives
+    at its offset among them."""
+    generator = torch.Generator().manual_seed(6)
+    rollouts = F.normalize(torch.randn(3, 4, 5, generator=generator), dim=-1)
+    teacher, candidates = (F.normalize(torch.randn(4, 5, generator=generator), dim=-1) for _ in range(2))
+    saving, keys = torch.rand(3, 4, generator=generator), torch.tensor([1, 2, 1, 3])
+    whole = retrieval_rewards(rollouts, teacher, candidates, saving, GrpoOptions(recall_at=2), keys)
+    for start in (0, 2):
+        shown = slice(start, start + 2)
+        part = retrieval_rewards(rollouts[:, shown], teacher[shown], candidates, saving[:, shown],
+                                 GrpoOptions(recall_at=2), keys, offset=start)  # fmt: skip
+        for name in ("reward", "negative", "recall", "correct"):
+            torch.testing.assert_close(getattr(part, name), getattr(whole, name)[:, shown])
+
+
 def test_group_size_below_two_is_refused_naming_the_option(tmp_path):
     with pytest.raises(ValueError, match=r"--rollouts .*>= 2"):
         grpo_config(tmp_path / "out", GrpoOptions(rollouts=1))
@@ -195,6 +211,25 @@ def test_the_pooled_token_never_drops(batch):
     assert bool((rollouts.actions[:, pooled] == -1).all())  # no decision: it always routes
     assert rollouts.rate(DROP) > 0.9
     assert bool(torch.isfinite(rollouts.embeddings).all())
+
+
+def test_rollouts_drawn_for_the_whole_batch_do_not_depend_on_how_it_is_split(model, batch):
+    """`SharedDraws`, as two processes of a distributed launch use it: each half of the batch (its queries and their
+    targets), drawing for the whole batch from the same generator state and keeping its rows, takes the actions and
+    log-probabilities of the whole batch's rollouts; the draws differ from rollout to rollout."""
+    pairs, rollouts, length = 2, 3, batch["input_ids"].shape[1]
+    whole = sample_rollouts(model, batch, rollouts, 1.0, "masked", torch.Generator().manual_seed(7),
+                            SharedDraws(torch.arange(rollouts * 4 * pairs), rollouts * 4 * pairs, length))  # fmt: skip
+    assert len({tuple(actions.flatten().tolist()) for actions in whole.actions}) == rollouts
+    for half in range(2):
+        rows = torch.tensor([half * pairs + b + side * 2 * pairs for side in range(2) for b in range(pairs)])
+        part = {key: value[rows] for key, value in batch.items()}
+        part_length = int(part["attention_mask"].sum(-1).max())
+        part = {key: value[:, :part_length] for key, value in part.items()}  # padded to its own longest input
+        draws = SharedDraws(torch.cat([rows + g * 4 * pairs for g in range(rollouts)]), rollouts * 4 * pairs, length)
+        sampled = sample_rollouts(model, part, rollouts, 1.0, "masked", torch.Generator().manual_seed(7), draws)
+        assert torch.equal(sampled.actions, whole.actions[:, rows, :part_length])
+        torch.testing.assert_close(sampled.log_probs, whole.log_probs[:, rows], atol=1e-5, rtol=0)
 
 
 def forced_forward(model, inputs: dict, actions: torch.Tensor, execution: str):

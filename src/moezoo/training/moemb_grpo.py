@@ -23,7 +23,14 @@ The reward of rollout i of query q_b against the teacher's embeddings of the in-
     R = recall · ((s⁺ − s̄⁻) + λ_s · S(a_i) + λ_d · cos(e_i(q_b), e_full(q_b)))  reward_gate_mode="all"
 
 and symmetrically for the target side against the teacher's query embeddings (A-29). In-batch candidates identical
-to the positive (the same target key) are neither negatives nor ranked above it. Updates are on-policy (one per rollout
+to the positive (the same target key) are neither negatives nor ranked above it.
+
+On several data-parallel processes (DDP: a distributed launch), the batch is the global batch, as the contrastive
+loss's is: the candidates are the teacher's embeddings of every process's inputs, the advantages and the logged
+metrics are computed from every process's rewards (TRL's gather, each process keeping its own inputs' advantages),
+and the rollouts' actions are drawn for the global batch, each process keeping its rows (`SharedDraws`). The policy
+gradient flows through each process's own log-probabilities and DDP averages it, so two processes at batch B train
+as one process at 2B. Updates are on-policy (one per rollout
 batch), so r_i = 1 up to rounding and the clipping is inactive; the clip ratios are logged under TRL's names anyway.
 
 `trl.GRPOConfig` holds the arguments (`num_generations` = G, `temperature`, `epsilon`, `beta` = 0, `scale_rewards`),
@@ -55,11 +62,13 @@ from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..configuration.moemb_adaptive import EXECUTION_MODES
 from ..modeling.moemb import MoEmbForEmbedding
+from ..modeling.moe.balancing import sum_over_processes
 from ..modeling.moemb_adaptive.gates import (
     DROP,
     SKIP,
     EfficiencyHead,
     GateControl,
+    SharedDraws,
     attach_gate_modules,
     controlled_gates,
 )
@@ -67,7 +76,7 @@ from ..processors.moemb import MoEmbProcessor
 from ..terminal import console
 from .arguments import TrainerOptions, checkpoint_to_resume, training_arguments
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
-from .distributed import check_enough_examples, main_process_output_dir
+from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .plots import plot_log_history, save_figure
 
 REWARD_GATE_MODES = ("efficiency_only", "all")
@@ -85,7 +94,7 @@ class GrpoOptions(TrainerOptions):
     """`moezoo train moemb --grpo`: the Trainer's options (spec §3.13's defaults) and the policy's."""
 
     steps: int = 200
-    batch_size: int = 32  # (query, target) pairs per process: the in-batch candidates of the reward
+    batch_size: int = 32  # (query, target) pairs per process; the in-batch candidates are the global batch's
     learning_rate: float | None = 5e-5
     weight_decay: float = 0.01  # AdamW's (App. E.1); biases are not decayed
     rollouts: int = 8  # G
@@ -170,22 +179,30 @@ class RolloutRewards:
         return cls(**{field.name: torch.cat([getattr(part, field.name) for part in parts], dim=1)
                       for field in dataclasses.fields(cls)})  # fmt: skip
 
+    def gathered(self) -> RolloutRewards:
+        """Every process's rewards side by side, in rank order `(G, world size × N)` (a collective)."""
+        return RolloutRewards(**{field.name: all_gather_with_grad(getattr(self, field.name).t()).t()
+                                 for field in dataclasses.fields(self)})  # fmt: skip
+
 
 def retrieval_rewards(
     embeddings: torch.Tensor,  # (G, B, d) normalised: the rollouts of one side
     teacher: torch.Tensor,  # (B, d) the same inputs at full compute
-    candidates: torch.Tensor,  # (B, d) the other side at full compute; candidate b is input b's positive
+    candidates: torch.Tensor,  # (C, d) the other side at full compute; candidate offset + b is input b's positive
     flops_saving: torch.Tensor,  # (G, B) S(a) of every rollout
     options: GrpoOptions,
-    keys: torch.Tensor | None = None,  # (B,) candidates with the key of input b's positive are not its negatives
+    keys: torch.Tensor | None = None,  # (C,) candidates with the key of input b's positive are not its negatives
+    offset: int = 0,  # where the inputs' positives start among the candidates (the global batch's, on a process)
 ) -> RolloutRewards:
     """The batch-level retrieval reward of spec §3.13 (see the module docstring)."""
     embeddings, teacher, candidates = embeddings.float(), teacher.float(), candidates.float()
-    batch = embeddings.shape[1]
-    similarity = embeddings @ candidates.t()  # (G, B, B)
-    positive = similarity.diagonal(dim1=1, dim2=2)  # (G, B)
-    own = torch.eye(batch, dtype=torch.bool, device=similarity.device)
-    duplicate = own if keys is None else keys[:, None] == keys[None, :]
+    inputs = torch.arange(embeddings.shape[1], device=embeddings.device)
+    labels = offset + inputs
+    similarity = embeddings @ candidates.t()  # (G, B, C)
+    positive = similarity[:, inputs, labels]  # (G, B)
+    own = torch.zeros(similarity.shape[1:], dtype=torch.bool, device=similarity.device)
+    own[inputs, labels] = True
+    duplicate = own if keys is None else keys[labels][:, None] == keys[None, :]
     negative_logits = (similarity / options.negative_temperature).masked_fill(duplicate, float("-inf"))
     weights = torch.softmax(negative_logits, dim=-1).nan_to_num(0.0)  # a batch of duplicates has no negative
     negative = (weights * similarity).sum(-1)
@@ -230,10 +247,14 @@ class Rollouts:
     log_probs: torch.Tensor  # (G, N) mean log π of each rollout's actions at sampling time (ℓ^old)
     flops_saving: torch.Tensor  # (G, N) S(a)
 
+    def counts(self) -> torch.Tensor:
+        """`(3,)` the decisions that took SKIP, those that took DROP, and all decisions, over every rollout."""
+        return torch.stack([(self.actions == SKIP).sum(), (self.actions == DROP).sum(), (self.actions >= 0).sum()])
+
     def rate(self, action: int) -> float:
         """The share of the decisions that took `action` (SKIP or DROP), over every rollout."""
-        decisions = self.actions >= 0
-        return float((self.actions == action).sum() / decisions.sum().clamp(min=1))
+        counts = self.counts()
+        return float(counts[[SKIP, DROP].index(action)] / counts[2].clamp(min=1))
 
 
 def mean_log_prob(control: GateControl) -> torch.Tensor:
@@ -254,14 +275,30 @@ def repeat_batch(batch: dict, times: int) -> dict:
     return {key: torch.cat([value] * times) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
+def global_draws(batch: dict, num_rollouts: int) -> SharedDraws:
+    """The draws of this process's rollouts of `batch` (B queries, then their B targets) made for the global batch
+    (`SharedDraws`): rollout g of pair b's query (s = 0) or target (s = 1) on process p is row g·2B_g + s·B_g + p·B + b
+    of the global batch of B_g = world size × B pairs (the data loader gives process p the pairs p·B to p·B + B − 1
+    of each global batch), whose longest input is the longest of every process's. A collective."""
+    rank, world_size = world()
+    input_ids = batch["input_ids"]
+    pairs, global_pairs = input_ids.shape[0] // 2, world_size * input_ids.shape[0] // 2
+    length = int(all_gather_with_grad(input_ids.new_tensor([input_ids.shape[1]])).max())
+    rollout, side, pair = torch.meshgrid(torch.arange(num_rollouts), torch.arange(2), torch.arange(pairs),
+                                         indexing="ij")  # fmt: skip
+    rows = rollout * 2 * global_pairs + side * global_pairs + rank * pairs + pair
+    return SharedDraws(rows=rows.flatten(), num_rows=num_rollouts * 2 * global_pairs, length=length)
+
+
 @torch.no_grad()
 def sample_rollouts(
     model, batch: dict, num_rollouts: int, temperature: float, execution: str = "packed",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, draws: SharedDraws | None = None,
 ) -> Rollouts:  # fmt: skip
     """`num_rollouts` rollouts of every input of `batch`, every token drawing its action at every MoE layer; one
-    forward over `num_rollouts` copies of the batch (each sample's actions are its own, spec §3.0)."""
-    control = GateControl(policy="sample", temperature=temperature, generator=generator)
+    forward over `num_rollouts` copies of the batch (each sample's actions are its own, spec §3.0). `draws`: the
+    actions drawn for a larger batch of which the copies are rows (`global_draws`)."""
+    control = GateControl(policy="sample", temperature=temperature, generator=generator, draws=draws)
     with controlled_gates(model, control):
         output = model(**repeat_batch(batch, num_rollouts), adaptive=policy_settings(execution))
     return Rollouts(
@@ -332,26 +369,33 @@ class GatePolicyGRPOTrainer(LogsStepMeans, Trainer):
         args, options = self.args, self.options
         batch, keys = inputs["inputs"], inputs.get("target_keys")
         pairs = batch["input_ids"].shape[0] // 2  # queries, then their targets
+        rank, _ = world()
         with torch.no_grad():
             teacher = model(**batch, adaptive={}).embeddings
         rollouts = sample_rollouts(model, batch, args.num_generations, args.temperature, options.execution,
-                                   self.generator)  # fmt: skip
-        # Queries against the teacher's targets, targets against the teacher's queries (spec A-29).
-        queries, targets = slice(0, pairs), slice(pairs, 2 * pairs)
+                                   self.generator, global_draws(batch, args.num_generations))  # fmt: skip
+        # Queries against the teacher's targets, targets against the teacher's queries (spec A-29), of every process.
+        sides = {"query": slice(0, pairs), "target": slice(pairs, 2 * pairs)}
+        candidates = {side: all_gather_with_grad(teacher[rows]) for side, rows in sides.items()}
+        keys = None if keys is None else all_gather_with_grad(keys)
         rewards = RolloutRewards.cat([
-            retrieval_rewards(rollouts.embeddings[:, own], teacher[own], teacher[other],
-                              rollouts.flops_saving[:, own], options, keys)
-            for own, other in ((queries, targets), (targets, queries))
-        ])  # fmt: skip
-        advantages, std = group_advantages(rewards.reward.t(), args.scale_rewards)  # (2B, G)
+            retrieval_rewards(rollouts.embeddings[:, sides[own]], teacher[sides[own]], candidates[other],
+                              rollouts.flops_saving[:, sides[own]], options, keys, offset=rank * pairs)
+            for own, other in (("query", "target"), ("target", "query"))
+        ]).gathered()  # fmt: skip
+        advantages, std = group_advantages(rewards.reward.t(), args.scale_rewards)  # (world size × 2B, G)
+        local = slice(rank * 2 * pairs, (rank + 1) * 2 * pairs)
 
         steps = self.current_gradient_accumulation_steps
-        loss, ratio = replay(model, batch, rollouts, advantages, args, options.execution,
+        loss, ratio = replay(model, batch, rollouts, advantages[local], args, options.execution,
                              lambda loss: self.accelerator.backward(loss / steps))  # fmt: skip
-        self._record_metrics(rewards, std, advantages, ratio, rollouts, teacher[queries], teacher[targets], keys)
+        self._record_metrics(rewards, std, advantages[local], ratio, rollouts, candidates["query"],
+                             candidates["target"], keys)  # fmt: skip
         return loss / steps
 
     def _record_metrics(self, rewards, std, advantages, ratio, rollouts, queries, targets, keys) -> None:
+        """The step's metrics: of the global batch (`rewards`, `std`, the teacher's `queries` and `targets` and their
+        `keys` are every process's), but for the clip ratios, this process's, which the logs average over processes."""
         low_epsilon, high_epsilon = clip_range(self.args)
         record = self.record_step_value
         reward = rewards.reward
@@ -369,8 +413,9 @@ class GatePolicyGRPOTrainer(LogsStepMeans, Trainer):
         record("accuracy", rewards.correct.mean())
         full = (in_batch_accuracy(queries, targets, keys) + in_batch_accuracy(targets, queries, keys)) / 2
         record("full_compute_accuracy", full)
-        record("skip_rate", reward.new_tensor(rollouts.rate(SKIP)))
-        record("drop_rate", reward.new_tensor(rollouts.rate(DROP)))
+        skips, drops, decisions = sum_over_processes(rollouts.counts()).float()
+        record("skip_rate", skips / decisions.clamp(min=1))
+        record("drop_rate", drops / decisions.clamp(min=1))
 
 
 def clip_range(args: GRPOConfig) -> tuple[float, float]:
@@ -463,7 +508,9 @@ def train_moemb_grpo(
     collator = GrpoCollator(processor, options.max_length)
 
     with main_process_output_dir(out, overwrite=overwrite) as staging:
-        args = grpo_config(out, options, max_grad_norm=1.0, dataloader_drop_last=True)
+        # DDP's search for unused parameters walks back from the forward's output, which the log-probabilities of the
+        # heads do not feed (they are read from the gates' record): it would take every head for unused.
+        args = grpo_config(out, options, max_grad_norm=1.0, dataloader_drop_last=True, ddp_find_unused_parameters=False)
         trainer = GatePolicyGRPOTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                         callbacks=[LogAtCheckpointsAndEnd()], options=options)  # fmt: skip
         use_rich_progress(trainer)

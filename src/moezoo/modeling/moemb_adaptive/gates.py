@@ -175,11 +175,16 @@ def init_gate_module(module: nn.Module) -> bool:
     return False
 
 
+def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard Gumbel noise of `shape` (fp32, CPU), drawn from `generator`."""
+    uniform = torch.rand(shape, generator=generator, dtype=torch.float32)
+    return -torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
+
+
 def gumbel_keep(logits: torch.Tensor, tau: float, generator: torch.Generator | None = None):
     """Gumbel-softmax straight-through keep mask (spec §3.1): `(hard, soft)` where `hard` is the one-hot keep
     decision in the forward with the gradient of the soft keep probability y[keep], and `soft` is y[keep]."""
-    uniform = torch.rand(logits.shape, generator=generator, dtype=torch.float32).to(logits.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
+    gumbel = gumbel_noise(logits.shape, generator).to(logits.device)
     soft = torch.softmax((logits.float() + gumbel) / tau, dim=-1)[..., 0]
     hard = (soft > 0.5).float()
     return hard - soft.detach() + soft, soft
@@ -217,6 +222,28 @@ class GateRecord:
 
 
 @dataclass
+class SharedDraws:
+    """The sampled actions of a forward drawn as if for a larger batch, of which the forward's input rows are
+    `rows`: at every MoE layer, Gumbel noise `(num_rows, length, 3)` for every position of every row of that batch
+    (the generator advances the same whatever rows the forward holds), of which each token reads its own row's and
+    position's, and takes argmax(log π + noise) (Gumbel-max: a draw from π). Data-parallel processes that share a
+    generator state and pass their rows of the global batch draw every token's action as one process on the global
+    batch would: the draws do not depend on which process holds an input, nor on its batch neighbours. The cost:
+    each process draws the noise of the global batch."""
+
+    rows: torch.Tensor  # (B,) long: each input row's row in the larger batch
+    num_rows: int
+    length: int  # the larger batch's longest input (right padding: a token's position is its input column)
+
+    def actions(self, log_probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor,
+                columns: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """`(T,)` actions of the tokens at input `rows` and `columns` from their `log_probs` `(T, 3)`."""
+        noise = gumbel_noise((self.num_rows, self.length, log_probs.shape[-1]), generator)
+        picked = noise[self.rows[rows.cpu()], columns.cpu()].to(log_probs.device)
+        return (log_probs.detach().float() + picked).argmax(-1)
+
+
+@dataclass
 class GateControl:
     """How the trained gates act in one forward (see the module docstring).
 
@@ -226,6 +253,7 @@ class GateControl:
     temperature: the sampling temperature of the heads (T_s).
     actions: `(B, S, L)` long, "forced": the action of every token (input layout) at every layer, -1 where none.
     generator: the random source of the samples and the Gumbel noise (CPU).
+    draws: "sample": draw the actions for a larger batch (`SharedDraws`) instead of the forward's tokens alone.
     """
 
     train: bool = False
@@ -234,6 +262,7 @@ class GateControl:
     temperature: float = 1.0
     actions: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    draws: SharedDraws | None = None
     record: GateRecord = field(default_factory=GateRecord)
 
     def __post_init__(self):

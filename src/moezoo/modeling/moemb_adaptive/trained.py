@@ -114,7 +114,9 @@ class TrainedActions:
         log_probs = action_log_probs(head_logits, control.temperature)
         rows = torch.arange(meta.alive.shape[0], device=routed.device)[:, None].expand_as(meta.alive).flatten()[routed]
         columns = meta.original_index.flatten()[routed]
-        if self.policy == "sample":
+        if self.policy == "sample" and control.draws is not None:
+            actions = control.draws.actions(log_probs, control.generator, rows, columns)
+        elif self.policy == "sample":
             actions = sample_actions(log_probs, control.generator)
         elif self.policy == "forced":
             actions = control.actions.to(routed.device)[rows, columns, layer_idx]
