@@ -19,17 +19,26 @@ import math
 from pathlib import Path
 
 import torch
+from peft.utils.constants import DUMMY_TARGET_MODULES
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextExperts
 
 from ..modeling.moe.experts import GeluExperts, SwiGLUExperts
 from .arguments import PeftModelWithTrainedBase
 
 EXPERT_LORA_FILE = "expert_lora.safetensors"
-# The adapted weights of each fused experts class, all `(E, out, in)`; the GELU experts' biases stay untouched.
-EXPERT_WEIGHTS = {SwiGLUExperts: ("gate_up_proj", "down_proj"), GeluExperts: ("up_proj", "down_proj")}
+# The adapted weights of each fused experts class (transformers' Qwen experts: the SMoES hosts'), all `(E, out, in)`;
+# the GELU experts' biases stay untouched.
+EXPERT_WEIGHTS = {
+    SwiGLUExperts: ("gate_up_proj", "down_proj"),
+    GeluExperts: ("up_proj", "down_proj"),
+    Qwen3_5MoeExperts: ("gate_up_proj", "down_proj"),
+    Qwen3VLMoeTextExperts: ("gate_up_proj", "down_proj"),
+}
 
 
 class GroupedExpertLoRA(nn.Module):
@@ -78,25 +87,27 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def add_expert_adapters(
-    model: nn.Module, rank: int, alpha: int, groups: int | None = None, modules: list[str] | None = None
+    model: nn.Module, rank: int, alpha: int, groups: int | None = None, weights: list[str] | None = None
 ) -> dict[str, GroupedExpertLoRA]:
-    """Register a `GroupedExpertLoRA` on every adapted weight of the fused experts `modules` (module names; default:
-    all of `model`), `groups` per layer (default: one per expert). Register them after PEFT has wrapped the model:
-    PEFT would otherwise take their `lora_` parameters for its own when merging. Returns them by
-    `<experts module>.<weight name>`."""
+    """Register a `GroupedExpertLoRA` on the fused expert `weights` of `model` (parameter names,
+    `<experts module>.<weight name>`; default: every adapted weight of its fused experts), `groups` per weight
+    (default: one per expert). Register them after PEFT has wrapped the model: PEFT would otherwise take their
+    `lora_` parameters for its own when merging. Returns them by name."""
     experts = fused_experts(model)
-    unknown = sorted(set(modules or ()) - set(experts))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)} are no fused experts modules of {type(model).__name__}")
+    if weights is None:
+        weights = [f"{module_name}.{name}" for module_name, module in experts.items()
+                   for name in adapted_weights(module)]  # fmt: skip
     adapters = {}
-    for module_name in experts if modules is None else modules:
-        module = experts[module_name]
-        for name in adapted_weights(module):
-            weight = getattr(module, name)
-            adapter = GroupedExpertLoRA(weight, rank, alpha, module.num_experts if groups is None else groups)
-            # under --ep the adapted weight is this process's shard (`GroupedExpertLoRA.forward`)
-            parametrize.register_parametrization(module, name, adapter, unsafe=isinstance(weight, DTensor))
-            adapters[f"{module_name}.{name}"] = adapter
+    for key in weights:
+        module_name, _, name = key.rpartition(".")
+        module = experts.get(module_name)
+        if module is None or name not in adapted_weights(module):
+            raise ValueError(f"{key} is no fused expert weight of {type(model).__name__} that expert LoRA adapts")
+        weight = getattr(module, name)
+        # the number of experts of the layer, not of this process under --ep (a DTensor's shape is the whole one)
+        adapters[key] = GroupedExpertLoRA(weight, rank, alpha, weight.shape[0] if groups is None else groups)
+        # under --ep the adapted weight is this process's shard (`GroupedExpertLoRA.forward`)
+        parametrize.register_parametrization(module, name, adapters[key], unsafe=isinstance(weight, DTensor))
     return adapters
 
 
@@ -104,10 +115,18 @@ def expert_adapters(model: nn.Module) -> dict[str, GroupedExpertLoRA]:
     """The expert adapters of a model, by `<experts module>.<weight name>`."""
     return {
         f"{module_name}.{name}": module.parametrizations[name][0]
-        for module_name, module in fused_experts(model).items()
+        for module_name, module in model.named_modules()
         if parametrize.is_parametrized(module)
         for name in module.parametrizations
+        if isinstance(module.parametrizations[name][0], GroupedExpertLoRA)
     }
+
+
+def peft_target_modules(modules: list[str]) -> list[str] | str:
+    """PEFT's `target_modules` for a recipe whose PEFT adapters may be none (its LoRA all on the experts, as
+    OmniMoE-VL's Stages II and III): PEFT refuses to wrap a model where nothing matches, except with its dummy target
+    (X-LoRA's), which wraps the model with no PEFT layer; the expert adapters are added after."""
+    return modules or DUMMY_TARGET_MODULES
 
 
 def load_expert_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], alpha: int, trainable: bool) -> None:

@@ -12,14 +12,15 @@
 - Schedules and exploration count the projector's `routing_step`, which `RoutingStepCallback` advances once per
   optimizer step (not per forward, so gradient accumulation does not speed them up) and which no stage resets: it is a
   buffer saved with the model (spec D11).
-- LoRA (`lora_r`, Stages II-IV): PEFT adapters on the fused experts of the stage's MoE blocks (`target_parameters`)
-  and, in Stage IV, on the attention projections of both stacks; the projector and the token routers, small, train in
-  full beside them (`OmniMoeVlLoraModel` keeps them in its checkpoints); merged at the end.
+- LoRA (`lora_r`, Stages II-IV): one adapter per expert on the fused experts of the stage's MoE blocks
+  (`moezoo.training.expert_lora`, what PEFT's `target_parameters` computes) and, in Stage IV, PEFT adapters on the
+  attention projections of both stacks; the projector and the token routers, small, train in full beside them
+  (`OmniMoeVlLoraModel` keeps them and the expert adapters in its checkpoints); merged at the end.
 - Several processes (`moezoo.training.distributed`): DDP, and `--fsdp` / `--ep` through
   `moezoo.training.adapted_sharding`, which shards the model once the stage has set it up (what trains, SMoES, LoRA)
   and keeps the projector's 0-d `fusion_output_scale`, which FSDP2 cannot shard, whole on every process; the
   trainer's checkpoints of such a run are distributed checkpoints (`ShardedCheckpointsMixin`). LoRA shards under
-  `--fsdp` only (`refuse_expert_parallel_lora`).
+  both: under `--ep` each process adds its own experts' adapters to its shard of the experts.
 
 `train_omnimoe_vl` (`moezoo train omnimoe_vl`) writes the model, its processor, the loss curves and the depth-route
 heatmap (mean route weight per depth, per prompt type) to `out`, and a checkpoint beside it every `save_steps` steps,
@@ -51,7 +52,6 @@ from ..processors.omnimoe_vl import OmniMoeVlProcessor
 from ..terminal import console, print_table
 from .arguments import (
     TrainerOptions,
-    PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
     loss_summary,
@@ -61,7 +61,8 @@ from .arguments import (
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
-from .distributed import check_enough_examples, main_process_output_dir, refuse_expert_parallel_lora
+from .distributed import check_enough_examples, main_process_output_dir
+from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora, peft_target_modules
 from .plots import plot_log_history
 from .sharded_checkpoints import ShardedCheckpointsMixin
 from .smoes_hosts import (
@@ -140,10 +141,11 @@ class RoutingStepCallback(TrainerCallback):
 # --- LoRA -----------------------------------------------------------------------------------------------------------
 
 
-class OmniMoeVlLoraModel(PeftModelWithTrainedBase):
-    """PEFT's model of `with_lora`, whose checkpoints keep, beside the adapters, the base parameters trained in full
-    (`trained_in_full`: the stage's projector and token routers) and the depth router's exploration state (routing
-    step and usage EMA), so that a resumed run continues its schedules."""
+class OmniMoeVlLoraModel(ExpertLoraModel):
+    """PEFT's model of `with_lora`, whose checkpoints keep, beside PEFT's adapters, the expert adapters
+    (`ExpertLoraModel`), the base parameters trained in full (`trained_in_full`: the stage's projector and token
+    routers) and the depth router's exploration state (routing step and usage EMA), so that a resumed run continues
+    its schedules."""
 
     def __init__(self, model, config: LoraConfig, trained_in_full: list[str]):
         super().__init__(model, config)
@@ -159,19 +161,18 @@ class OmniMoeVlLoraModel(PeftModelWithTrainedBase):
 def with_lora(
     model: OmniMoeVlForConditionalGeneration, stage: str, rank: int, train_projector: bool = True
 ) -> OmniMoeVlLoraModel:
-    """LoRA (alpha = 2 r) on the large weights `stage` trains: the fused experts of its MoE blocks (PEFT
-    `target_parameters`) and, in Stage IV, the attention projections of both stacks. The stage's projector and token
-    routers train in full beside the adapters; everything else is frozen."""
+    """LoRA (alpha = 2 r) on the large weights `stage` trains: the fused experts of its MoE blocks (one adapter per
+    expert) and, in Stage IV, the attention projections of both stacks (PEFT; Stages II and III have none). The
+    stage's projector and token routers train in full beside the adapters; everything else is frozen."""
     if stage == "I":
         raise ValueError("--lora applies to Stages II-IV: Stage I trains the projector alone, in full")
     stage_names = set_trainable(model, stage, train_projector)
     experts = [name for name in stage_names if FUSED_EXPERT_WEIGHTS.search(name)]
     attention = [name.rpartition(".")[0] for name in stage_names if ATTENTION_PROJECTIONS.search(name)]
     in_full = [name for name in stage_names if name.startswith("model.projector.") or ROUTERS.search(name)]
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention or None, target_parameters=experts
-    )
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=peft_target_modules(attention))
     peft_model = OmniMoeVlLoraModel(model, config, in_full)
+    add_expert_adapters(model, rank, 2 * rank, weights=experts)
     for name in in_full:  # PEFT froze the whole base model
         model.get_parameter(name).requires_grad_(True)
     return peft_model
@@ -392,7 +393,6 @@ def train_omnimoe_vl(
     stage_pattern(options.stage, options.train_projector)  # a bad stage fails before the loading
     if options.lora_r and options.stage == "I":
         raise ValueError("--lora applies to Stages II-IV: Stage I trains the projector alone, in full")
-    refuse_expert_parallel_lora(options.ep, options.lora_r)
     if options.router_utility_coef < 0:
         raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
     checkpoint = checkpoint_to_resume(out, options)
@@ -440,7 +440,7 @@ def train_omnimoe_vl(
             trained = unsharded_copy(trained, lambda: load_omnimoe_vl_model(model_dir, adapt=adapt)[0])
             model = trained.get_base_model() if options.lora_r else trained
         if options.lora_r:
-            model = trained.merge_and_unload()
+            model = merge_lora(trained)
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 

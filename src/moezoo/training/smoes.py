@@ -5,13 +5,14 @@ or Qwen3-VL-MoE VLM with SMoES on).
   `smoes_bal_coef * smoes_bal_loss + alpha_MI * smoes_mi_loss`, which replace the base load-balancing loss.
   `SmoesLoss` logs each term beside the loss, and the mutual information of every MoE layer (`smoes/mi_layer_<l>`).
 - What trains: the language model and its routers, the vision tower frozen (spec §6). With `lora_r`, PEFT adapters
-  on the attention projections and the fused experts (`target_parameters`), the routers in full beside them (the SMoES
-  losses act through the routers only); the adapters are merged at the end. Frozen routers with a non-zero SMoES
-  coefficient are refused before training starts.
+  on the attention projections and one adapter per expert on the fused experts (`moezoo.training.expert_lora`, what
+  PEFT's `target_parameters` computes), the routers in full beside them (the SMoES losses act through the routers
+  only); the adapters are merged at the end. Frozen routers with a non-zero SMoES coefficient are refused before
+  training starts.
 - Several processes (`moezoo.training.distributed`): DDP, and `--fsdp` / `--ep` through
   `moezoo.training.adapted_sharding`, which shards the model once what trains and the LoRA adapters are set; the
   trainer's checkpoints of such a run are distributed checkpoints (`ShardedCheckpointsMixin`). LoRA shards under
-  `--fsdp` only (`refuse_expert_parallel_lora`).
+  both: under `--ep` each process adds its own experts' adapters to its shard of the experts.
 - The SMoES buffers (Gaussian statistics, dispatch counts, bins, `smoes_step`) advance once per training forward,
   in the model (spec §2.6, §2.8: with gradient accumulation, once per micro-batch); they are part of every
   checkpoint, so `resume` continues with them.
@@ -48,7 +49,6 @@ from ..registry import architectures_named, get_architecture
 from ..terminal import console, print_table
 from .arguments import (
     TrainerOptions,
-    PeftModelWithTrainedBase,
     add_trainer_arguments,
     checkpoint_to_resume,
     loss_summary,
@@ -58,7 +58,8 @@ from .arguments import (
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from .data import load_image_text_dataset
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
-from .distributed import check_enough_examples, main_process_output_dir, refuse_expert_parallel_lora
+from .distributed import check_enough_examples, main_process_output_dir
+from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
@@ -90,10 +91,10 @@ def set_trainable(model: SmoesForConditionalGenerationMixin, freeze_routers: boo
     return trainable
 
 
-class SmoesLoraModel(PeftModelWithTrainedBase):
-    """PEFT's model of `with_lora`, whose checkpoints keep the routers (trained in full unless frozen) and the SMoES
-    buffers beside the adapters: PEFT's adapter files hold neither, and a resumed run would restart them from the
-    base model."""
+class SmoesLoraModel(ExpertLoraModel):
+    """PEFT's model of `with_lora`, whose checkpoints keep the expert adapters (`ExpertLoraModel`), the routers
+    (trained in full unless frozen) and the SMoES buffers beside PEFT's adapters: PEFT's adapter files hold none of
+    them, and a resumed run would restart them from the base model."""
 
     SMOES_BUFFERS_FILE = "smoes_buffers.safetensors"
 
@@ -131,17 +132,17 @@ class SmoesLoraModel(PeftModelWithTrainedBase):
 def with_lora(
     model: SmoesForConditionalGenerationMixin, rank: int, freeze_routers: bool = False
 ) -> SmoesLoraModel:
-    """LoRA (alpha = 2 r) on the language model's attention projections and fused experts; the routers train in full
-    beside the adapters (unless `freeze_routers`); everything else is frozen."""
+    """LoRA (alpha = 2 r) on the language model's attention projections (PEFT) and fused experts (one adapter per
+    expert); the routers train in full beside the adapters (unless `freeze_routers`); everything else is frozen."""
     trainable = set_trainable(model, freeze_routers)
     experts = [name for name in trainable if name.endswith(FUSED_EXPERTS)]
     attention = sorted({
         name.rpartition(".")[0] for name in trainable
         if ".self_attn." in name and name.rpartition(".")[0].endswith(ATTENTION_PROJECTIONS)
     })  # fmt: skip
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention,
-                        target_parameters=experts)  # fmt: skip
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=attention)
     peft_model = SmoesLoraModel(model, config, train_routers=not freeze_routers)
+    add_expert_adapters(model, rank, 2 * rank, weights=experts)
     for parameter in peft_model.trained_base_parameters().values():  # PEFT froze the base model
         parameter.requires_grad_(True)
     return peft_model
@@ -288,7 +289,6 @@ def train_smoes(
     loss curves (`training_curves.png`), the per-modality routing heatmap (`routing_by_modality.png`), each MoE
     layer's MSI (`smoes_msi.json`) and a provenance record to `out`. Returns the training summary."""
     options = options or SmoesTrainingOptions()
-    refuse_expert_parallel_lora(options.ep, options.lora_r)
     checkpoint = checkpoint_to_resume(out, options)
     dataset = load_image_text_dataset(data)
     check_enough_examples(len(dataset), options.batch_size)
@@ -321,7 +321,7 @@ def train_smoes(
             trained = unsharded_copy(trained, lambda: load_smoes_model(model_dir, adapt=adapt)[0])
             model = trained.get_base_model() if options.lora_r else trained
         if options.lora_r:
-            model = trained.merge_and_unload()
+            model = merge_lora(trained)
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 
