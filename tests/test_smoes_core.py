@@ -211,6 +211,34 @@ def test_bin_balance_loss_by_hand():
     assert bin_balance_loss(gates, top_k_index, bins, 2, valid, mode="intra_bin").item() == pytest.approx(2.0)
 
 
+def test_bin_balance_loss_of_processes_averages_to_the_global_batch(monkeypatch):
+    """Two data-parallel processes holding 5 and 2 valid tokens (their padding differs): the mean of their losses, and
+    of their gradients, is the loss and the gradient of one process on the global batch. The all-reduce of the
+    dispatch counts is replaced by the sum of the two processes' counts."""
+    from moezoo.modeling.moe.smoes import losses
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 4, requires_grad=True)  # process k's tokens: logits[k]
+    valid = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    bins = torch.tensor([0, 0, 1, 1])
+
+    def loss(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        gates = rows.softmax(dim=-1)
+        return bin_balance_loss(gates, gates.topk(2).indices, bins, 2, mask)
+
+    reference = loss(logits.reshape(-1, 4), valid.reshape(-1))
+    (expected,) = torch.autograd.grad(reference, logits)
+    counts = []  # each process's dispatch counts, as it would hand them to the all-reduce
+    monkeypatch.setattr(losses, "sum_over_processes", lambda tensor: counts.append(tensor.clone()) or tensor)
+    for process in range(2):
+        loss(logits[process].detach(), valid[process])
+    monkeypatch.setattr(losses, "sum_over_processes", lambda tensor: sum(counts))
+    monkeypatch.setattr(losses, "number_of_processes", lambda: 2)
+    mean = (loss(logits[0], valid[0]) + loss(logits[1], valid[1])) / 2
+    assert mean.item() == pytest.approx(reference.item(), abs=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(mean, logits)[0], expected)
+
+
 def test_bin_balance_loss_minima_and_the_switch_loss():
     """Uniform gates and dispatch: global = k / N_bins, intra_bin = N_bins (spec §8.4); global is the Switch loss
     divided by N_bins whatever the bins."""

@@ -12,10 +12,15 @@ from torch import nn
 from .router import TopKRouter
 
 
+def number_of_processes() -> int:
+    """The processes `sum_over_processes` sums over (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def sum_over_processes(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` summed over the data-parallel processes (in place), unchanged without torch.distributed: balancing
     statistics counted on every process's share of the global batch become the global batch's."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if number_of_processes() > 1:
         dist.all_reduce(tensor)
     return tensor
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ..balancing import sum_over_processes
+from ..balancing import number_of_processes, sum_over_processes
 
 
 BALANCE_MODES = ("global", "intra_bin")
@@ -62,9 +62,12 @@ def bin_balance_loss(
     """The bin-level balance loss of one layer: N_B sum_k sum_{e in bin k} f_e P_e, with f_e the fraction of valid
     tokens whose top-k holds e (sum_e f_e = k, transformers' convention) and P_e the mean gate of e.
 
-    f_e (no gradient) counts the tokens of every data-parallel process (`sum_over_processes`), P_e those of this
-    process: the mean of the processes' losses, and of their gradients, is then the loss of the global batch when the
-    processes hold as many valid tokens each, as in one process.
+    Both are the global batch's under data parallelism: f_e (no gradient) counts the tokens of every process
+    (`sum_over_processes`), and each process's P_e sums the gates of its own tokens over the valid tokens of all the
+    processes, times their number. The mean of the processes' losses, and of their gradients (as DDP and FSDP2 average
+    them), is then what one process computes on the global batch, whatever number of valid tokens each process holds
+    (padding differs between processes). `"intra_bin"` renormalises each process's P_e inside each bin: a ratio of
+    this process's gates, it stays a per-process term.
 
     `"global"` is the paper's formula read literally: it sums over all experts, so it is the Switch loss scaled by
     1 / num_bins (minimum k / num_bins at perfect balance) and keeps the load balanced across bins, hence across
@@ -74,7 +77,6 @@ def bin_balance_loss(
     num_experts = gates.shape[-1]
     experts_per_bin = num_experts // num_bins
     token_weights = valid.reshape(-1).to(gates.dtype)
-    num_tokens = token_weights.sum().clamp_min(1)
     top_k = top_k_index.shape[-1]
     # (E + 1,) dispatches per expert and the token count, over all processes
     dispatches = torch.zeros(num_experts + 1, dtype=gates.dtype, device=gates.device).index_add_(
@@ -82,8 +84,10 @@ def bin_balance_loss(
     )
     dispatches[-1] = token_weights.sum()
     dispatches = sum_over_processes(dispatches)
-    dispatch_fraction = dispatches[:-1] / dispatches[-1].clamp_min(1)
-    mean_gate = (gates.reshape(-1, num_experts) * token_weights[:, None]).sum(dim=0) / num_tokens
+    num_tokens = dispatches[-1].clamp_min(1)
+    dispatch_fraction = dispatches[:-1] / num_tokens
+    gate_mass = (gates.reshape(-1, num_experts) * token_weights[:, None]).sum(dim=0)
+    mean_gate = gate_mass * (number_of_processes() / num_tokens)
     if mode == "intra_bin":
         bin_one_hot = F.one_hot(bins, num_bins).to(gates.dtype)  # (E, K)
         dispatch_fraction = dispatch_fraction / (dispatch_fraction @ bin_one_hot)[bins].clamp_min(eps)
