@@ -243,11 +243,30 @@ def test_what_cannot_be_sharded_is_refused_before_loading(moe_vie_folder, tiny_m
     mote_config = VideoLlmMoteConfig.from_pretrained(videollm_folder)
     with pytest.raises(ValueError, match="has no routed experts to distribute"):
         check_shardable(VideoLlmMoteForConditionalGeneration, mote_config, ep=2)
+    dense = MoeVieModel.config_class.from_pretrained(moe_vie_folder)
+    dense.vision_config.moe_layers = []  # a dense vision tower: no MoE layer
+    with pytest.raises(ValueError, match=r"--ep 2: MoeVieModel has no routed experts .* train it with --fsdp or plain"):
+        check_shardable(MoeVieModel, dense, ep=2, replicated_scalars=True)
     moemb_config = MoEmbForEmbedding.config_class.from_pretrained(tiny_moemb)
     num_experts = moemb_config.text_config.num_experts
     check_shardable(MoEmbForEmbedding, moemb_config, ep=num_experts)
     with pytest.raises(ValueError, match=rf"\({num_experts}\) do not split evenly over {num_experts + 1} processes"):
         check_shardable(MoEmbForEmbedding, moemb_config, ep=num_experts + 1)
+
+
+def test_sizes_and_data_that_do_not_fit_the_launch_are_refused(monkeypatch):
+    from moezoo.training.distributed import check_enough_examples, distributed_config
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the checks come before any collective
+    for fsdp, ep in ((WORLD + 1, 1), (WORLD, WORLD + 1)):
+        with pytest.raises(ValueError, match=rf"--fsdp {fsdp} --ep {ep} does not fit the {WORLD} processes of this "
+                                             rf"launch: --fsdp must equal the number of processes \({WORLD}\)"):
+            distributed_config(fsdp, ep)
+    assert distributed_config(1, WORLD).ep_size == WORLD  # --ep alone shards the rest with FSDP2 over every process
+    check_enough_examples(2 * WORLD, 2)
+    with pytest.raises(ValueError, match=rf"the data set has 3 examples, fewer than one batch of 2 on each of {WORLD} "
+                                         "processes"):
+        check_enough_examples(3, 2)
 
 
 @pytest.mark.slow
