@@ -1,8 +1,9 @@
 """Every zoo model class switches its experts and attention implementations as transformers' own MoE models do (issue
 21 item 2): `from_pretrained(..., experts_implementation=x)` and `set_experts_implementation(x)` for every x of
 transformers' and moezoo's, `set_attn_implementation` for eager, sdpa and, where the transformers base model supports
-it, flex attention; each gives the outputs of `eager` (1e-5, fp32). The exported Hub folder of one architecture per
-family does the same in a fresh process without moezoo. docs/kernels.md#backends lists what this proves.
+it, flex attention; each gives the outputs of `eager` (1e-5, fp32); flash_attention_2 without flash-attn is refused
+while the model is built. The exported Hub folder of one architecture per family does the same in a fresh process
+without moezoo. docs/kernels.md#backends lists what this proves.
 """
 
 import inspect
@@ -12,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from transformers.utils import is_flash_attn_2_available
 from transformers.utils.generic import ModelOutput
 
 import moezoo  # noqa: F401  (fills the catalogue)
@@ -145,6 +147,16 @@ def test_every_class_switches_the_attention_implementations_its_base_supports(cr
         model.set_attn_implementation(implementation)
         assert model.config._attn_implementation == implementation, what
         assert_same_outputs(run(model, inputs), reference, what)
+
+
+@pytest.mark.skipif(is_flash_attn_2_available(), reason="flash-attn is installed here")
+def test_an_attention_backend_that_is_not_installed_is_refused_when_the_model_is_built(created):
+    """flash_attention_2 without flash-attn (a CUDA-only package): transformers refuses it, naming it, while it builds
+    the model, before any weight is read."""
+    architecture, folder, _ = created
+    for model_class in model_classes(architecture):
+        with pytest.raises((ImportError, ValueError), match="FlashAttention2|Flash Attention 2"):
+            model_class.from_pretrained(folder, attn_implementation="flash_attention_2")
 
 
 @pytest.mark.slow
