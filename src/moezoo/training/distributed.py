@@ -189,30 +189,3 @@ def main_process_output_dir(out: str | Path, overwrite: bool = False):
             yield Path(scratch)
     if world_size > 1:
         dist.barrier()
-
-
-
-def refuse_sharding(fsdp: int, ep: int, reason: str) -> None:
-    """Refuses `--fsdp` / `--ep` for a recipe that changes the model after loading (PEFT adapters, new experts):
-    transformers shards the model inside `from_pretrained`, so what is added afterwards is neither sharded nor kept
-    in sync across processes, and FSDP2's hooks miss the layers PEFT calls by `.forward`. `reason` says what."""
-    if fsdp > 1 or ep > 1:
-        raise ValueError(
-            f"--fsdp / --ep shard the model while it loads, and {reason} after that; train this recipe with plain "
-            "DDP (the same distributed launch without --fsdp / --ep)"
-        )
-
-
-def refuse_expert_parallel_lora(ep: int, lora_r: int) -> None:
-    """Refuses `--ep` with `--lora`, before loading: PEFT's LoRA on fused experts (`target_parameters`, its
-    `ParamWrapper`) builds every expert's weight update over all the experts as one tensor and adds it to the expert
-    weights in the forward, while expert parallelism holds those weights as DTensors split over the processes (and
-    FSDP2 never gathers adapters that no module forward calls): the two do not meet without changing PEFT."""
-    if ep > 1 and lora_r:
-        raise ValueError(
-            f"--ep {ep} with --lora {lora_r}: PEFT's LoRA on the fused experts adds a weight update built for all the "
-            "experts to expert weights that expert parallelism splits over the processes (DTensors), which PEFT does "
-            "not support; train the LoRA recipe with --fsdp N (the adapters are sharded with their layers), or train "
-            f"in full (without --lora) under --ep {ep}"
-        )
-

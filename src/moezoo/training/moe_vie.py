@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from torch import nn
 from transformers import Trainer, set_seed
 
@@ -41,13 +41,8 @@ from .arguments import (
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
-from .distributed import (
-    all_gather_with_grad,
-    check_enough_examples,
-    main_process_output_dir,
-    refuse_sharding,
-    world,
-)
+from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
+from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
@@ -198,8 +193,10 @@ def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
         model.logit_bias = None
 
 
-def with_lora(model: MoeVieModel, rank: int):
-    """LoRA on the attention projections of both towers' blocks and on the fused experts (PEFT `target_parameters`).
+def with_lora(model: MoeVieModel, rank: int) -> ExpertLoraModel:
+    """LoRA (alpha = 2 r) on the attention projections of both towers' blocks (PEFT) and on the fused experts (one
+    adapter per expert, `moezoo.training.expert_lora`: what PEFT's `target_parameters` computes, on both weights of
+    the GELU experts too, their biases untouched).
 
     The blocks are named explicitly: a bare `out_proj` would also match the pooling head's `nn.MultiheadAttention`,
     which reads `out_proj.weight` directly, so an adapter there would be counted as trainable but never used.
@@ -207,9 +204,10 @@ def with_lora(model: MoeVieModel, rank: int):
     config = LoraConfig(
         r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
         target_modules=r".*\.encoder\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
     )
-    return get_peft_model(model, config)
+    peft_model = ExpertLoraModel(model, config)
+    add_expert_adapters(model, rank, 2 * rank)
+    return peft_model
 
 
 def train_moe_vie(
@@ -227,26 +225,38 @@ def train_moe_vie(
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
-    if options.lora_r or options.video:
-        refuse_sharding(options.fsdp, options.ep,
-                        "its LoRA adapters (--lora-r) or video fine-tuning's teacher are made")  # fmt: skip
-    # Sharded after loading (`adapted_sharding`): FSDP2 cannot shard the 0-d logit_scale, which stays whole.
-    model = load_adapted_for_training(MoeVieModel, folder, None, options.fsdp, options.ep,
-                                      options.ep_implementation)  # fmt: skip
-    processor = MoeVieProcessor.from_pretrained(folder)
-    if options.loss_type:
-        set_loss_type(model, options.loss_type)
     if options.video:
         dataset = load_video_text_dataset(data, frames_column, text_column)
-        collator = VideoTextCollator(processor, options.num_frames)
-        teacher = copy.deepcopy(model)
-        freeze_counts = freeze_for_video_finetuning(model, options.freeze_vision_dense_mlp)
     else:
         dataset = load_image_text_dataset(data, image_column, text_column)
-        collator = ImageTextCollator(processor, options.image_size)
     check_enough_examples(len(dataset), options.batch_size)
-    set_seed(options.seed)  # before the LoRA adapters' random initialisation: the Trainer seeds only what follows
-    trained = with_lora(model, options.lora_r) if options.lora_r else model
+    made = {}  # by `adapt`: video fine-tuning's teacher and its count of frozen parameters
+
+    def recipe(model: MoeVieModel) -> nn.Module:
+        """The model to train from the loaded one: the loss, what video fine-tuning freezes, the LoRA adapters."""
+        if options.loss_type:
+            set_loss_type(model, options.loss_type)
+        if options.video:
+            made["frozen"] = freeze_for_video_finetuning(model, options.freeze_vision_dense_mlp)["frozen"]
+        set_seed(options.seed)  # before the LoRA adapters' random initialisation: the Trainer seeds only what follows
+        return with_lora(model, options.lora_r) if options.lora_r else model
+
+    def adapt(model: MoeVieModel) -> nn.Module:
+        """`recipe`, before any sharding. Video fine-tuning's frozen teacher is copied first: under --fsdp it stays
+        whole on every process, outside FSDP2; under --ep its experts are split as the model's are, and every process
+        runs it at every step, so its token exchanges match."""
+        if options.video:
+            made["teacher"] = copy.deepcopy(model)
+        return recipe(model)
+
+    # Sharded after loading (`adapted_sharding`): FSDP2 cannot shard the 0-d logit_scale, which stays whole.
+    trained = load_adapted_for_training(MoeVieModel, folder, adapt, options.fsdp, options.ep,
+                                        options.ep_implementation)  # fmt: skip
+    processor = MoeVieProcessor.from_pretrained(folder)
+    if options.video:
+        collator = VideoTextCollator(processor, options.num_frames)
+    else:
+        collator = ImageTextCollator(processor, options.image_size)
 
     with main_process_output_dir(out, overwrite=overwrite) as staging:
         # The global contrastive loss needs equal batches on every process.
@@ -254,17 +264,16 @@ def train_moe_vie(
         trainer_class, extra = MoeVieTrainer, {}
         if options.video:
             trainer_class = VideoDistillationTrainer
-            extra = {"teacher": teacher, "distill_weight": options.distill_weight}
+            extra = {"teacher": made["teacher"], "distill_weight": options.distill_weight}
         trainer = trainer_class(
             model=trained, args=args, train_dataset=dataset, data_collator=collator,
             callbacks=[RoutingBiasCallback(), LogAtCheckpointsAndEnd()], **extra,
         )
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
-        if options.lora_r:
-            model = trained.merge_and_unload()
         if options.fsdp > 1 or options.ep > 1:  # the heatmap runs the vision tower alone, outside FSDP2's root unit
-            model = unsharded_copy(model, lambda: MoeVieModel.from_pretrained(folder))
+            trained = unsharded_copy(trained, lambda: recipe(MoeVieModel.from_pretrained(folder)))
+        model = merge_lora(trained) if options.lora_r else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 
@@ -281,7 +290,7 @@ def train_moe_vie(
             **loss_summary(trainer.state.log_history),
             "examples": len(dataset),
             "lora_r": options.lora_r or None,
-            **({"frozen_parameters": freeze_counts["frozen"]} if options.video else {}),
+            **({"frozen_parameters": made["frozen"]} if options.video else {}),
         }
         write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
