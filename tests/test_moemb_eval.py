@@ -294,7 +294,7 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
     calibration.parent.mkdir()
     calibration.write_text("".join(json.dumps(row) + "\n" for row in rows))
     modes = evaluate("--action", "modes", "--target-skip", "0.3", "--calibration", str(calibration),
-                     "--calibration-samples", "4", "--batch-size", "4")  # fmt: skip
+                     "--calibration-samples", "4", "--batch-size", "4", "--modes-grid-points", "8")  # fmt: skip
     assert set(modes["adaptive"]["settings"]) == {"top_k", "modes_thresholds", "modes_layer_scales", "execution"}
     assert modes["adaptive"]["flops_saving"] > 0
     # The paper's Table 6 in one run: full compute and each --action, accuracy beside FLOPs saving and throughput
@@ -321,6 +321,8 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
          r"--target-skip 1.0 must lie in \[0, 1\)"),
         (["--action", "modes", "--target-skip", "-0.1", "--calibration", str(calibration)],
          r"--target-skip -0.1 must lie in \[0, 1\)"),
+        (["--action", "modes", "--target-skip", "0.3", "--calibration", str(calibration), "--modes-grid-points", "1"],
+         "--modes-grid-points 1 must be at least 2"),
         # MoDES calibrates a text and a visual threshold: data with text inputs only is refused, naming the option
         (["--action", "modes", "--target-skip", "0.3", "--calibration", str(text_only), "--calibration-samples", "4"],
          r"--calibration .*text_only.jsonl.* holds only 0 image input"),

@@ -474,10 +474,13 @@ def modes_settings(args: argparse.Namespace, model, processor) -> dict:
         raise ValueError(f"--target-skip {args.target_skip} must lie in [0, 1): the share of routed slots MoDES skips")
     if args.calibration is None:
         raise ValueError("--target-skip calibrates MoDES on --calibration FILE (MMEB training format): pass it")
+    if args.modes_grid_points < 2:
+        raise ValueError(f"--modes-grid-points {args.modes_grid_points} must be at least 2: each threshold grid runs "
+                         "from 0 (no slot skipped) to the threshold that skips every slot")  # fmt: skip
     items = calibration_inputs(args.calibration, args.calibration_samples)
     batches = [processor(items[start : start + args.batch_size]).to(model.device)
                for start in range(0, len(items), args.batch_size)]  # fmt: skip
-    calibrated = calibrate_modes(model, batches, args.target_skip)
+    calibrated = calibrate_modes(model, batches, args.target_skip, grid_points=args.modes_grid_points)
     return {key: calibrated[key] for key in ("modes_thresholds", "modes_layer_scales")}
 
 
@@ -581,6 +584,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     adaptive.add_argument("--calibration", metavar="FILE", help="modes: MMEB training-format data with text and images")
     adaptive.add_argument("--calibration-samples", type=positive_int, default=16, metavar="N",
                           help="modes: calibration inputs, half text, half image (16)")
+    adaptive.add_argument("--modes-grid-points", type=int, default=100, metavar="N",
+                          help="modes: thresholds per grid of the calibration's frontier search, at most 2N passes "
+                               "over the calibration inputs (100, the paper's)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
