@@ -1,11 +1,13 @@
 """`--fsdp` / `--ep` through `moezoo.training.adapted_sharding` (the model loaded whole, adapted, then sharded), on
 two gloo processes: MoEMB's LoRA recipe (PEFT adapters, the `<emb>` row, the expert adapters shared by a layer's
-experts or one per expert) under FSDP2 and under EP, MoTE's `--lora-r` and `--add-expert` (a new expert) under
-FSDP2, and MoE-ViE (its 0-d `logit_scale` kept whole) under FSDP2 and EP give the losses and the final (merged)
-weights of one process on the same global batches. Tiny models, two steps, one thread per process.
+experts or one per expert) under FSDP2 and under EP, and with `--smoes` under FSDP2, MoTE's `--lora-r` and
+`--add-expert` (a new expert) under FSDP2, MoE-ViE (its 0-d `logit_scale` kept whole) under FSDP2 and EP, and
+MoE-ViE's video fine-tuning (its frozen teacher) with `--lora-r` (PEFT on attention, one expert adapter per expert)
+under FSDP2 and EP give the losses and the final (merged) weights of one process on the same global batches. Tiny
+models, two steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_adapters.py
-ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--add-expert]`.
+ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--smoes] [--add-expert] [--lora-r R] [--video]`.
 """
 
 import argparse
@@ -24,7 +26,7 @@ from moezoo.configuration.mote import VideoLlmMoteConfig
 from moezoo.modeling.moe_vie import MoeVieModel
 from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
 from moezoo.processors.mote import VideoLlmMoteFrameProcessor
-from moezoo.training import moemb, mote
+from moezoo.training import moe_vie, moemb, mote
 from moezoo.training.sharded_checkpoints import DISTRIBUTED_CHECKPOINT
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.mote_synthetic import ProcedureVideos
@@ -40,26 +42,39 @@ from test_distributed_training import (
     assert_same_weights,
     moe_vie_folder,  # noqa: F401 (a fixture)
     run_distributed,
+    shapes_dataset,
 )
 from test_distributed_training import train as train_full
 
 # Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
 from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
+from test_smoes_hosts import settings as smoes_settings
 
 NEW_EXPERT = "proc"  # the expert MoTE's expert addition adds
 
 
 def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, expert_lora: str = "shared",
-          lora: bool = True, add_expert: bool = False) -> dict:  # fmt: skip
+          lora: bool = True, add_expert: bool = False, lora_r: int = 0, video: bool = False,
+          smoes: bool = False) -> dict:  # fmt: skip
     """One run of the training command (`lora=False`: MoTE's joint training in full, as test_distributed_training's;
-    `add_expert`: MoTE's expert addition of `NEW_EXPERT`, copied from the `next` expert, on its task's examples)."""
-    if arch == "moe_vie" or not lora:  # MoE-ViE: no adapters; sharded after loading for its 0-d logit_scale
-        return train_full(arch, model, out, batch_size, fsdp, ep)
+    `add_expert`: MoTE's expert addition of `NEW_EXPERT`, copied from the `next` expert, on its task's examples;
+    `lora_r`, `video`: MoE-ViE's `--lora-r` and `--video`, which otherwise trains in full; `smoes`: MoEMB's
+    `--smoes`, the tiny settings of tests/test_smoes_hosts.py)."""
     common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, fsdp=fsdp, ep=ep)
+    if arch == "moe_vie" and (lora_r or video):
+        shapes = ColouredShapes(image_size=16, colours=("red", "blue"), held_out=())
+        # one frame per clip: the frame distilled is then the same however the batch is split over processes
+        data = shapes.video_text_dataset(16, 1, torch.Generator().manual_seed(0)) if video else shapes_dataset()
+        options = moe_vie.MoeVieTrainingOptions(**common, lora_r=lora_r, video=video, num_frames=1)
+        return moe_vie.train_moe_vie(model, data, out, options)
+    if arch == "moe_vie" or not lora:  # MoE-ViE: sharded after loading for its 0-d logit_scale
+        return train_full(arch, model, out, batch_size, fsdp, ep)
     if arch == "moemb":
         data = ShapeRetrieval().training_dataset(16, torch.Generator().manual_seed(0))
         lora = moemb.LoraOptions(rank=2, alpha=4, dropout=0.0, experts=expert_lora)
-        return moemb.train_moemb(model, data, out, moemb.MoEmbTrainingOptions(**common, warmup_steps=0, lora=lora))
+        options = moemb.MoEmbTrainingOptions(**common, warmup_steps=0, lora=lora,
+                                             smoes=smoes_settings() if smoes else None)  # fmt: skip
+        return moemb.train_moemb(model, data, out, options)
     AutoImageProcessor.register(VideoLlmMoteConfig, image_processor_classes={"pil": VideoLlmMoteFrameProcessor},
                                 exist_ok=True)  # fmt: skip
     if add_expert:
@@ -80,18 +95,28 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--expert-lora", default="shared")
     parser.add_argument("--add-expert", action="store_true")
+    parser.add_argument("--lora-r", type=int, default=0)
+    parser.add_argument("--video", action="store_true")
+    parser.add_argument("--smoes", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora,
-          add_expert=args.add_expert)
+          add_expert=args.add_expert, lora_r=args.lora_r, video=args.video, smoes=args.smoes)
 
 
 @pytest.fixture(scope="module")
 def moemb_references(tiny_moemb, tmp_path_factory):
-    """One process on the global batch, for each expert-adapter mode the tests shard (trained once per module)."""
-    root = tmp_path_factory.mktemp("moemb_references")
-    return {mode: (root / mode, train("moemb", tiny_moemb, root / mode, GLOBAL_BATCH, expert_lora=mode))
-            for mode in ("shared", "per-expert")}  # fmt: skip
+    """`(expert-adapter mode, smoes) -> (folder, losses)` of one process on the global batch, each trained once per
+    module."""
+    root, runs = tmp_path_factory.mktemp("moemb_references"), {}
+
+    def reference(mode: str, smoes: bool):
+        if (mode, smoes) not in runs:
+            folder = root / f"{mode}-smoes-{smoes}"
+            runs[mode, smoes] = folder, train("moemb", tiny_moemb, folder, GLOBAL_BATCH, expert_lora=mode, smoes=smoes)
+        return runs[mode, smoes]
+
+    return reference
 
 
 @pytest.mark.slow
@@ -99,9 +124,11 @@ def moemb_references(tiny_moemb, tmp_path_factory):
     ("--fsdp", WORLD),
     ("--ep", WORLD),  # one expert adapter per layer: each process adds it to its own half of the experts
     ("--ep", WORLD, "--expert-lora", "per-expert"),  # each process adapts its experts with their own adapters
-], ids=["fsdp", "ep", "ep-per-expert-adapters"])  # fmt: skip
+    # SMoES's hooks on the language layers, attached before the sharding; its statistics summed over the processes
+    ("--fsdp", WORLD, "--smoes"),
+], ids=["fsdp", "ep", "ep-per-expert-adapters", "fsdp-smoes"])  # fmt: skip
 def test_moemb_lora_recipe_sharded_trains_as_one_process(flags, tiny_moemb, moemb_references, tmp_path):
-    folder, losses = moemb_references["per-expert" if "per-expert" in flags else "shared"]
+    folder, losses = moemb_references("per-expert" if "per-expert" in flags else "shared", "--smoes" in flags)
     run_processes(__file__, "moemb", tiny_moemb, tmp_path / "out", *flags, nproc=WORLD, timeout=300)
     assert_same_weights(tmp_path / "out", folder)
     assert_same_losses(tmp_path / "out", losses)
@@ -164,6 +191,34 @@ def test_moe_vie_under_expert_parallelism_trains_as_one_process(moe_vie_even_exp
     assert_same_losses(tmp_path / "out", losses)
     initial = load_file(moe_vie_even_experts / "model.safetensors")["logit_scale"]
     assert load_file(tmp_path / "out" / "model.safetensors")["logit_scale"] != initial  # trained, not left out
+
+
+@pytest.fixture(scope="module")
+def moe_vie_video_lora_reference(moe_vie_even_experts, tmp_path_factory):
+    """Video fine-tuning with `--lora-r 2` on one process on the global batch (trained once per module): its folder
+    and losses."""
+    folder = tmp_path_factory.mktemp("moe_vie_video_lora_reference") / "one"
+    return folder, train("moe_vie", moe_vie_even_experts, folder, GLOBAL_BATCH, lora_r=2, video=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--fsdp", WORLD), ("--ep", WORLD)], ids=["fsdp", "ep"])
+def test_moe_vie_video_lora_sharded_trains_as_one_process(flags, moe_vie_even_experts, moe_vie_video_lora_reference,
+                                                          tmp_path):  # fmt: skip
+    """`--video --lora-r`: the distillation teacher is copied and the adapters are attached before the sharding:
+    PEFT's on attention, and one per expert on the fused experts (`expert_lora`), which under EP each process adds to
+    its own half of the experts; the teacher stays whole under FSDP2, and under EP runs its half of the experts on
+    every process. The merged folder loads."""
+    folder, losses = moe_vie_video_lora_reference
+    run_processes(__file__, "moe_vie", moe_vie_even_experts, tmp_path / "out", *flags, "--lora-r", 2, "--video",
+                  nproc=WORLD, timeout=300)  # fmt: skip
+    assert_same_weights(tmp_path / "out", folder)
+    assert_same_losses(tmp_path / "out", losses)
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    base = load_file(moe_vie_even_experts / "model.safetensors")
+    assert merged.keys() == base.keys()  # merged: no adapter left
+    assert any(not torch.equal(merged[name], base[name]) for name in base if ".experts." in name)
+    MoeVieModel.from_pretrained(tmp_path / "out")
 
 
 @pytest.mark.slow

@@ -1,15 +1,16 @@
 """`moezoo train omnimoe_vl` and `moezoo train smoes` on two gloo processes: DDP, FSDP2 (`--fsdp 2`) and expert
 parallelism (`--ep 2`, SMoES also with moezoo's `--ep-implementation dedup`) give the logged losses and the final
 weights of one process on the same global batch, OmniMoE-VL sharded after loading for its 0-d `fusion_output_scale`
-(`moezoo.training.adapted_sharding`); so does `--lora` under `--fsdp 2`, the adapters attached before the sharding
-(under `--ep` it is refused before loading); an interrupted run resumes to the uninterrupted weights (SMoES under
-FSDP2, OmniMoE-VL under DDP). The token experts' load-balancing loss (`router_aux_loss_coef`) is computed on each
-process's batch, as transformers does, so the OmniMoE-VL model is compared without it. Tiny models, two steps, one
-thread per process; the helpers are those of tests/test_distributed_training.py.
+(`moezoo.training.adapted_sharding`); so does `--lora` under `--fsdp 2` and `--ep 2`, the adapters attached before
+the sharding; so does OmniMoE-VL with `--smoes` (SMoES on its language experts, attached by hooks before the
+sharding) under `--fsdp 2` and `--ep 2`; an interrupted run resumes to the uninterrupted weights (SMoES under FSDP2,
+OmniMoE-VL under DDP). The token experts' load-balancing loss (`router_aux_loss_coef`) is computed on each process's
+batch, as transformers does, so the OmniMoE-VL model is compared without it. Tiny models, two steps, one thread per
+process; the helpers are those of tests/test_distributed_training.py.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
-ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--save-steps N]
-[--resume] [--stop-at STEP]`.
+ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--smoes]
+[--save-steps N] [--resume] [--stop-at STEP]`.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from transformers.distributed.expert_parallel import EPImplementationInterface
 from moezoo.training import omnimoe_vl, smoes
 from moezoo.training.arguments import trainer_options
 from moezoo.training.sharded_checkpoints import DISTRIBUTED_CHECKPOINT
+from moezoo.training.smoes import SmoesTrainingOptions, train_smoes
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
@@ -38,6 +40,7 @@ from test_distributed_training import (
     run_processes,
 )
 from test_omnimoe_vl_training import QUESTIONS, image
+from test_smoes_hosts import settings as smoes_settings
 
 
 # Answers of one length (3 tokens each), as the captions of `write_shape_captions` (6): the language-model loss, a
@@ -45,14 +48,15 @@ from test_omnimoe_vl_training import QUESTIONS, image
 ANSWERS = ("red", "yes", "two", "one")
 
 
-def train(arch: str, model, data, out, batch_size: int, stage: str = "I", **options) -> dict:
+def train(arch: str, model, data, out, batch_size: int, stage: str = "I", smoes: bool = False, **options) -> dict:
     """One run of `moezoo train ARCH`, deterministic: fixed data, no dropout, the same seed everywhere. `options`:
-    the sharding, checkpointing and LoRA options of the training options."""
+    the sharding, checkpointing and LoRA options of the training options; `smoes`: OmniMoE-VL's `--smoes` (the tiny
+    settings of tests/test_smoes_hosts.py)."""
     common = dict(steps=STEPS, batch_size=batch_size, learning_rate=LEARNING_RATE, logging_steps=1, **options)
     if arch == "omnimoe_vl":
-        options = omnimoe_vl.OmniMoeVlTrainingOptions(**common, stage=stage)
+        options = omnimoe_vl.OmniMoeVlTrainingOptions(**common, stage=stage, smoes=smoes_settings() if smoes else None)
         return omnimoe_vl.train_omnimoe_vl(model, data, out, options)
-    return smoes.train_smoes(model, data, out, smoes.SmoesTrainingOptions(**common))
+    return train_smoes(model, data, out, SmoesTrainingOptions(**common))  # `smoes` is the flag here
 
 
 TRAINER_CLASSES = {"omnimoe_vl": omnimoe_vl.OmniMoeVlTrainer, "smoes": smoes.SmoesTrainer}
@@ -67,6 +71,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ep-implementation", default="auto")
     parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--smoes", action="store_true")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
@@ -85,9 +90,9 @@ def main(argv: list[str]) -> None:
 
     implementation._dispatch_tokens = counted_dispatch
     try:
-        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, fsdp=args.fsdp,
-              ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora, save_steps=args.save_steps,
-              resume=args.resume)
+        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, args.smoes,
+              fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora,
+              save_steps=args.save_steps, resume=args.resume)
     except KeyboardInterrupt:
         sys.exit(3)
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
@@ -121,23 +126,25 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(folders, tmp_path_factory):
-    """`(arch, stage, lora rank) -> (folder, training summary)` of the one-process run on the global batch, each run
-    once."""
+    """`(arch, stage, lora rank, smoes) -> (folder, training summary)` of the one-process run on the global batch,
+    each run once."""
     runs = {}
 
-    def run(arch: str, stage: str, lora_r: int = 0):
-        if (arch, stage, lora_r) not in runs:
-            out = tmp_path_factory.mktemp(f"{arch}-{stage}-{lora_r}") / "one"
-            runs[arch, stage, lora_r] = out, train(arch, *folders[arch], out, GLOBAL_BATCH, stage, lora_r=lora_r)
-        return runs[arch, stage, lora_r]
+    def run(arch: str, stage: str, lora_r: int = 0, smoes: bool = False):
+        key = arch, stage, lora_r, smoes
+        if key not in runs:
+            out = tmp_path_factory.mktemp("-".join(map(str, key))) / "one"
+            runs[key] = out, train(arch, *folders[arch], out, GLOBAL_BATCH, stage, smoes, lora_r=lora_r)
+        return runs[key]
 
     return run
 
 
-def check_same_as_one_process(arch: str, folders, one_process, tmp_path, *flags, stage: str = "I",
-                              lora_r: int = 0) -> None:  # fmt: skip
-    reference, summary = one_process(arch, stage, lora_r)
-    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, "--lora", lora_r, *flags)
+def check_same_as_one_process(arch: str, folders, one_process, tmp_path, *flags, stage: str = "I", lora_r: int = 0,
+                              smoes: bool = False) -> None:  # fmt: skip
+    reference, summary = one_process(arch, stage, lora_r, smoes)
+    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, "--lora", lora_r, *flags,
+                    *(("--smoes",) if smoes else ()))  # fmt: skip
     assert_same_weights(tmp_path / "many", reference)
     assert_same_losses(tmp_path / "many", summary)
 
@@ -161,28 +168,18 @@ def test_sharded_smoes_trains_as_one_process(flags, folders, one_process, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "stage"), [("omnimoe_vl", "II"), ("smoes", "I")],
-                         ids=["omnimoe_vl-stage-II", "smoes"])
-def test_lora_under_fsdp_trains_as_one_process(arch, stage, folders, one_process, tmp_path):
-    """The LoRA adapters (PEFT, on the fused experts through `target_parameters` and, for SMoES, on attention) are
-    attached before the sharding (`adapted_sharding`): FSDP2 shards them with their layers; the merged weights and
-    the losses are those of one process."""
-    check_same_as_one_process(arch, folders, one_process, tmp_path, "--fsdp", WORLD, stage=stage, lora_r=2)
-
-
-@pytest.mark.parametrize("arch", ["omnimoe_vl", "smoes"])
-def test_lora_under_expert_parallelism_is_refused_before_loading(arch, folders, tmp_path, monkeypatch):
-    """PEFT's LoRA on fused experts adds one update built for all the experts to expert weights that EP splits."""
-    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the refusal comes before any collective
-    options = dict(steps=1, batch_size=1, ep=WORLD, lora_r=2)
-    with pytest.raises(ValueError, match=rf"--ep {WORLD} with --lora 2: PEFT's LoRA on the fused experts .*"
-                                         r"\(DTensors\).* train the LoRA recipe with --fsdp N"):  # fmt: skip
-        if arch == "omnimoe_vl":
-            omnimoe_vl.train_omnimoe_vl(*folders[arch], tmp_path / "out",
-                                        omnimoe_vl.OmniMoeVlTrainingOptions(**options, stage="II"))
-        else:
-            smoes.train_smoes(*folders[arch], tmp_path / "out", smoes.SmoesTrainingOptions(**options))
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize(("arch", "stage", "flags"), [
+    ("omnimoe_vl", "II", ("--fsdp", WORLD)),
+    ("omnimoe_vl", "IV", ("--ep", WORLD)),
+    ("smoes", "I", ("--fsdp", WORLD)),
+    ("smoes", "I", ("--ep", WORLD)),
+], ids=["omnimoe_vl-stage-II-fsdp", "omnimoe_vl-stage-IV-ep", "smoes-fsdp", "smoes-ep"])  # fmt: skip
+def test_lora_sharded_trains_as_one_process(arch, stage, flags, folders, one_process, tmp_path):
+    """The LoRA adapters (one per expert on the fused experts, `expert_lora`, and PEFT's on attention: SMoES and
+    OmniMoE-VL's Stage IV) are attached before the sharding (`adapted_sharding`): FSDP2 shards them with their
+    layers, and under EP each process adds its own experts' adapters to its half of the experts (Stage IV: of both
+    stacks, the vision tower's GELU experts too); the merged weights and the losses are those of one process."""
+    check_same_as_one_process(arch, folders, one_process, tmp_path, *flags, stage=stage, lora_r=2)
 
 
 @pytest.mark.slow
@@ -214,6 +211,20 @@ def test_sharded_omnimoe_vl_trains_as_one_process(stage, flags, folders, one_pro
     stays whole on every process. Stage I trains the projector alone under FSDP2; Stage IV trains everything with
     each process holding half of both stacks' experts (8 per MoE layer)."""
     check_same_as_one_process("omnimoe_vl", folders, one_process, tmp_path, *flags, stage=stage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "flags"), [("II", ("--fsdp", WORLD)), ("IV", ("--ep", WORLD))],
+                         ids=["stage-II-fsdp", "stage-IV-ep"])
+def test_omnimoe_vl_with_smoes_sharded_trains_as_one_process(stage, flags, folders, one_process, tmp_path):
+    """SMoES on the language experts (`--smoes`), its hooks attached before the sharding: they read each layer's
+    input, the attention's queries and keys and each MoE block's router input and logits inside the gathered FSDP2
+    units, and under EP the router runs on every process for its own tokens. The SMoES statistics and bin balance are
+    summed over the processes, so the weights, the SMoES buffers (saved with them) and the losses are those of one
+    process."""
+    check_same_as_one_process("omnimoe_vl", folders, one_process, tmp_path, *flags, stage=stage, smoes=True)
+    saved = json.loads((tmp_path / "many" / "moezoo.json").read_text())["training"]
+    assert saved["smoes_step"] == one_process("omnimoe_vl", stage, 0, True)[1]["smoes_step"] > 0
 
 
 def test_an_ep_implementation_without_ep_is_refused(folders, tmp_path):
