@@ -99,7 +99,7 @@ def zoo(request, tmp_path_factory) -> dict[str, dict]:
     """For each architecture whose test runs: its folders, the commands' exit codes and output, the module of the
     class transformers picks with moezoo imported, and the failure (a traceback) of the checks without moezoo."""
     selected = [item.callspec.params["architecture"] for item in request.session.items
-                if item.originalname == "test_create_export_and_load_without_moezoo"]  # fmt: skip
+                if getattr(item, "function", None) is test_create_export_and_load_without_moezoo]  # fmt: skip
     root = tmp_path_factory.mktemp("zoo")
     cases = [{
         "architecture": architecture, "preset": tiny_preset(architecture), "repo_id": f"zoo/tiny-{architecture}",
