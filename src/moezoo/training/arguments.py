@@ -22,6 +22,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..hub.folders import atomic_output_dir
 from ..modeling.moe import expert_parallel  # noqa: F401 (registers moezoo's "dedup" EP implementation)
 from ..terminal import error_console
+from . import deepspeed_zero
 
 
 def checkpoints_dir(out: str | Path) -> Path:
@@ -85,10 +86,10 @@ def training_arguments(out: str | Path, options, **overrides) -> TrainingArgumen
     """
     Trainer arguments for a run writing `out`, from a command's options (`steps`, `batch_size`,
     `gradient_accumulation_steps`, `gradient_checkpointing`, `learning_rate`, `weight_decay`, `warmup_steps`,
-    `logging_steps`, `save_steps`, `seed`): a cosine schedule, a checkpoint in `checkpoints_dir(out)` every
-    `save_steps` optimizer steps (none for 0; only the latest is kept, all resuming needs), no reporting (the commands
-    save the model themselves), every data column kept for the collators, the GPU when there is one. `overrides`
-    change or add any argument.
+    `logging_steps`, `save_steps`, `seed`, `deepspeed`): a cosine schedule, a checkpoint in `checkpoints_dir(out)`
+    every `save_steps` optimizer steps (none for 0; only the latest is kept, all resuming needs), no reporting (the
+    commands save the model themselves), every data column kept for the collators, the GPU when there is one, the
+    DeepSpeed config `deepspeed` names (`deepspeed_zero.training_config`). `overrides` change or add any argument.
     """
     if options.save_steps:
         checkpoints = dict(save_strategy="steps", save_steps=options.save_steps, save_total_limit=1)
@@ -111,6 +112,8 @@ def training_arguments(out: str | Path, options, **overrides) -> TrainingArgumen
         remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
     )
+    if options.deepspeed is not None:
+        arguments["deepspeed"] = deepspeed_zero.training_config(options.deepspeed)
     return TrainingArguments(**(arguments | overrides))
 
 
@@ -187,6 +190,10 @@ class TrainerOptions:
     fsdp: int = 1  # FSDP2 over this many processes (the launch's), see `moezoo.training.distributed`
     ep: int = 1  # expert parallelism over this many processes
     ep_implementation: str = "auto"  # how tokens reach the experts under `ep` (transformers' EPImplementationInterface)
+    deepspeed: str | None = None  # DeepSpeed ZeRO: a preset name or config file, see `moezoo.training.deepspeed_zero`
+
+    def __post_init__(self):
+        deepspeed_zero.check_deepspeed(self.deepspeed, self.fsdp, self.ep)
 
 
 def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None) -> None:
@@ -224,6 +231,11 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict
                              "EPImplementationInterface (dedup: moezoo's, one copy of a token per rank that holds "
                              "any of its experts; all_to_all: one per (token, expert) pair; auto: all_to_all while "
                              "training)")  # fmt: skip
+    parser.add_argument("--deepspeed", default=defaults.deepspeed, metavar="CONFIG",
+                        help="train with DeepSpeed ZeRO on the processes of the launch: a DeepSpeed config file "
+                             f"(JSON) or a preset ({', '.join(deepspeed_zero.PRESETS)}: ZeRO-3, parameters, gradients "
+                             "and optimizer state sharded); not with --fsdp / --ep; needs "
+                             f"`{deepspeed_zero.INSTALL}`")  # fmt: skip
 
 
 def trainer_options(args: argparse.Namespace) -> dict:
@@ -233,5 +245,5 @@ def trainer_options(args: argparse.Namespace) -> dict:
         warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, logging_steps=args.logging_steps,
         save_steps=args.save_steps, resume=args.resume, fsdp=args.fsdp, ep=args.ep,
-        ep_implementation=args.ep_implementation,
+        ep_implementation=args.ep_implementation, deepspeed=args.deepspeed,
     )

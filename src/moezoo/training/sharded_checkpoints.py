@@ -31,12 +31,16 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .deepspeed_zero import DeepSpeedZero3Mixin
+
 DISTRIBUTED_CHECKPOINT = "distributed_checkpoint"
 
 
-class ShardedCheckpointsMixin:
+class ShardedCheckpointsMixin(DeepSpeedZero3Mixin):
     """A `transformers.Trainer` mixin (placed before `Trainer`) that checkpoints and resumes a model sharded with
-    `--fsdp` / `--ep` (see the module docstring); a model that is not sharded checkpoints as the Trainer does."""
+    `--fsdp` / `--ep` (see the module docstring); a model that is not sharded checkpoints as the Trainer does. Every
+    train command's trainer takes it, so it also brings the preparation of `--deepspeed` ZeRO-3 runs
+    (`DeepSpeedZero3Mixin`), whose checkpoints are DeepSpeed's own, written and resumed by the Trainer."""
 
     def __init__(self, model=None, args=None, *more, **kwargs):  # Trainer's first two parameters
         self.sharded = getattr(model, "is_distributed_loading_by_transformers", False)

@@ -1,0 +1,142 @@
+"""`moezoo train ARCH --deepspeed zero3` on two gloo processes (DeepSpeed's CPU accelerator): SMoES trained in full
+and with `--lora` give the losses and the final (merged) weights of one process on the same global batches, and the
+saved folder loads in a fresh process; a run resumes from its DeepSpeed checkpoint; what does not combine with
+`--deepspeed` is refused. Tiny models, two steps, one thread per process; the helpers, fixtures and one-process runs
+are those of tests/test_distributed_training_vlm.py.
+
+Run as a script, this file is the training command of every process: `torchrun ... test_deepspeed_training.py ARCH
+MODEL DATA OUT [--lora R] [--save-steps N] [--resume] [--stop-at STEP]`.
+"""
+
+import argparse
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from moezoo.training import deepspeed_zero
+
+from conftest import run_processes, run_python
+from test_distributed_training import (
+    GLOBAL_BATCH,
+    WEIGHT_ATOL,
+    WORLD,
+    assert_same_losses,
+    assert_same_weights,
+    interrupt_at,
+)
+from test_distributed_training_vlm import TRAINER_CLASSES, folders, one_process, train  # noqa: F401 (fixtures)
+
+# Installed by the `test` extra; skipped before the fixtures build their models when it is not.
+requires_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                        reason=f"DeepSpeed is not installed: {deepspeed_zero.INSTALL}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("arch", "model", "data", "out"):
+        parser.add_argument(name)
+    parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.stop_at:
+        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
+    try:
+        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, lora_r=args.lora,
+              save_steps=args.save_steps, resume=args.resume, deepspeed="zero3")
+    except KeyboardInterrupt:
+        sys.exit(3)
+
+
+def run_zero3(arch: str, folders, out, *flags, check: bool = True):
+    return run_processes(__file__, arch, *folders[arch], out, *map(str, flags), nproc=WORLD, timeout=300, check=check)
+
+
+@pytest.mark.slow
+@requires_deepspeed
+@pytest.mark.parametrize("lora_r", [0, 2])
+def test_zero3_trains_as_one_process(lora_r, folders, one_process, tmp_path):
+    """SMoES (a Qwen3.5-MoE host): its sparse MoE blocks are ZeRO-3 leaves; in full, and with PEFT's LoRA attached
+    after loading (partitioned by DeepSpeed with the rest), merged at the end. The full run's folder loads in a
+    fresh process."""
+    reference, summary = one_process("smoes", "I", lora_r)
+    run_zero3("smoes", folders, tmp_path / "zero3", "--lora", lora_r)
+    assert_same_weights(tmp_path / "zero3", reference)
+    assert_same_losses(tmp_path / "zero3", summary)
+    if lora_r:
+        return
+    run_python(f"""
+        import torch
+        from moezoo.training.smoes import load_smoes_model
+        trained, _ = load_smoes_model({str(tmp_path / "zero3")!r})
+        expected, _ = load_smoes_model({str(reference)!r})
+        for name, tensor in expected.state_dict().items():
+            torch.testing.assert_close(trained.state_dict()[name], tensor, rtol=0, atol={WEIGHT_ATOL}, msg=name)
+    """)
+
+
+@pytest.mark.slow
+@requires_deepspeed
+def test_a_zero3_run_resumes_from_its_deepspeed_checkpoint(folders, one_process, tmp_path):
+    """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of one uninterrupted
+    process."""
+    reference, _ = one_process("smoes", "I")
+    out = tmp_path / "out"
+    stopped = run_zero3("smoes", folders, out, "--save-steps", 1, "--stop-at", 2, check=False)
+    assert stopped.returncode != 0 and not out.exists()
+    assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
+    run_zero3("smoes", folders, out, "--save-steps", 1, "--resume")
+    assert_same_weights(out, reference)
+
+
+def test_the_deepspeed_option_reaches_every_train_command(tmp_path):
+    """`--deepspeed` is a Trainer option: every train command parses it into its options (the check at construction
+    needs DeepSpeed installed, so it is only parsed here)."""
+    from moezoo.training import moe_vie, moemb, mote, omnimoe_vl, smoes
+    from moezoo.training.arguments import trainer_options
+
+    for module in (moe_vie, moemb, mote, omnimoe_vl, smoes):
+        parser = argparse.ArgumentParser()
+        module.add_train_arguments(parser)
+        args = parser.parse_args(["--model", "m", "--data", "d", "--out", "o", "--deepspeed", "zero3"])
+        assert trainer_options(args)["deepspeed"] == "zero3", module.__name__
+
+
+def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path, monkeypatch):
+    from moezoo.training.arguments import TrainerOptions
+
+    with pytest.raises(ValueError, match="--deepspeed with --fsdp 2 / --ep 1: both shard the model"):
+        TrainerOptions(deepspeed="zero3", fsdp=2)
+    with pytest.raises(ValueError, match="--deepspeed 'zero4' is neither a preset \\(zero3\\) nor"):
+        deepspeed_zero.read_config("zero4")
+    (tmp_path / "broken.json").write_text("{stage: 3")
+    with pytest.raises(ValueError, match="broken.json: not a JSON file"):
+        deepspeed_zero.read_config(str(tmp_path / "broken.json"))
+    (tmp_path / "list.json").write_text("[3]")
+    with pytest.raises(ValueError, match="a DeepSpeed config is a JSON object, got list"):
+        deepspeed_zero.read_config(str(tmp_path / "list.json"))
+    (tmp_path / "mine.json").write_text('{"zero_optimization": {"stage": 2}}')
+    assert deepspeed_zero.read_config(str(tmp_path / "mine.json")) == {"zero_optimization": {"stage": 2}}
+    assert deepspeed_zero.read_config("zero3")["zero_optimization"]["stage"] == 3
+    monkeypatch.setattr(deepspeed_zero.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"DeepSpeed, which is not installed: pip install 'moezoo\[deepspeed\]'"):
+        TrainerOptions(deepspeed="zero3")
+
+
+def test_models_with_0d_parameters_are_refused_under_zero3():
+    """DeepSpeed's ZeRO-3 views every parameter as bytes, which a 0-d one cannot be (MoE-ViE's `logit_scale`)."""
+    from moezoo.configuration.moe_vie import TINY_MOE_VIE, MoeVieConfig
+    from moezoo.modeling.moe_vie import MoeVieModel
+
+    with torch.device("meta"):
+        model = MoeVieModel(MoeVieConfig(**TINY_MOE_VIE))
+    with pytest.raises(ValueError, match=r"MoeVieModel holds 0-d parameters \(logit_scale\).* --fsdp N"):
+        deepspeed_zero.refuse_scalar_parameters(model)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
