@@ -24,6 +24,10 @@ mean ||e - e_full||² of the normalised embeddings. E[FLOPs] is the language mod
 whatever the gates decide), from the per-token costs of `moemb_flops`. The saved model's config holds the gates and
 the inference settings that use them (hard decisions), so the exported folder runs them; the rates are logged as
 `rate/*` and drawn in `adaptive_rates.png`.
+
+On several processes (DDP, `--fsdp`, `--ep`) every rate, FLOPs ratio and load-balancing statistic is the global
+batch's (`global_mean`), and the pruner's Gumbel noise is drawn for the global batch from a generator every process
+seeds alike, each process keeping its rows (`SharedDraws`): the run trains as one process on the global batch.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from transformers import Trainer
 
 from ..configuration.moemb_adaptive import AdaptiveSettings
 from ..configuration.moemb_gates import GateModules
+from ..modeling.moe.balancing import number_of_processes, sum_over_processes
 from ..modeling.moe.losses import load_balancing_loss
-from ..modeling.moemb_adaptive.gates import GateControl, attach_gate_modules, controlled_gates
+from ..modeling.moemb_adaptive.gates import GateControl, SharedDraws, attach_gate_modules, controlled_gates
 from ..modeling.moemb_flops import TokenLayerFlops
+from .adapted_sharding import with_every_trainable_parameter
 from .plots import plot_log_history
 
 
@@ -152,6 +159,16 @@ class AdaptiveRecipeOptions:
         return {"drop": self.drop_target, "skip": self.skip_target, "layer": self.layer_skip_target}[action]
 
 
+def global_mean(total: torch.Tensor, count) -> torch.Tensor:
+    """The mean over every process's items, of which this process holds `count` summing to `total`: the global
+    batch's value on every process, differentiable in this process's share as world size times its own (as SMoES's
+    P_e is), so that the processes' averaged gradients (DDP, FSDP2) are one process's on the global batch. Without
+    torch.distributed, `total / count`."""
+    count = torch.as_tensor(count, dtype=torch.float32, device=total.device)
+    sums = sum_over_processes(torch.stack([total.detach().float(), count]))
+    return (sums[0] + number_of_processes() * (total - total.detach())) / sums[1]
+
+
 class GateTraining:
     """A recipe applied to one model: adds its gates, makes them trainable, and computes its loss terms."""
 
@@ -161,12 +178,13 @@ class GateTraining:
         self.teacher = None
         self.costs = self.config = None  # set by add_gates
 
-    def add_gates(self, model: nn.Module) -> None:
+    def add_gates(self, model: nn.Module, teacher: nn.Module | None = None) -> None:
         """Adds the recipe's gates to a loaded `MoEmbForEmbedding` (and keeps a frozen copy of it, the
-        distillation teacher); its config then holds them and the inference settings that use them."""
+        distillation teacher, unless given `teacher`, the same model loaded apart); its config then holds them and
+        the inference settings that use them."""
         config = model.config
         if self.recipe.distill:
-            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+            self.teacher = (copy.deepcopy(model) if teacher is None else teacher).eval().requires_grad_(False)
         gates = config.gate_modules().to_dict() | dict(self.recipe.gates)
         if self.recipe.actions == ("null",):
             if config.router_trainable:
@@ -206,9 +224,13 @@ class GateTraining:
         progress = min(1.0, step / span)
         return options.gumbel_start + progress * (options.gumbel_end - options.gumbel_start)
 
-    def embed(self, model: nn.Module, chunk: dict, step: int, total: int):
-        """The embeddings of a training forward with the gates in their differentiable form, and its record."""
-        control = GateControl(train=True, gumbel_temperature=self.gumbel_temperature(step, total))
+    def embed(self, model: nn.Module, chunk: dict, step: int, total: int, generator: torch.Generator | None = None):
+        """The embeddings of a training forward with the gates in their differentiable form, and its record. The
+        pruner's Gumbel noise comes from `generator`, drawn for the global batch (`SharedDraws`)."""
+        input_ids = chunk["input_ids"]
+        draws = SharedDraws.global_batch(input_ids.shape[0], 1, input_ids.shape[1], input_ids.device)
+        control = GateControl(train=True, gumbel_temperature=self.gumbel_temperature(step, total), generator=generator,
+                              draws=draws)  # fmt: skip
         with controlled_gates(model, control):
             embeddings = model(**chunk, adaptive=dict(self.recipe.training, execution="masked")).embeddings
         return embeddings, control.record
@@ -218,21 +240,26 @@ class GateTraining:
         return self.teacher(**chunk, adaptive={}).embeddings
 
     def rates(self, records: list) -> dict[str, torch.Tensor]:
-        """The differentiable rates (`soft/*`) and the realised ones (`rate/*`) of a step's forwards."""
+        """The differentiable rates (`soft/*`) and the realised ones (`rate/*`) of a step's forwards, the global
+        batch's (`global_mean`)."""
         rates = {}
+
+        def mean(values: torch.Tensor) -> torch.Tensor:
+            return global_mean(values.float().sum(), values.numel())
+
         if "drop" in self.recipe.actions:
             soft = torch.cat([r.keep_probability[r.keep_candidates] for r in records])
             hard = torch.cat([r.keep_mask[r.keep_candidates] for r in records])
-            rates["soft/keep"], rates["rate/token_drop"] = soft.mean(), 1 - hard.detach().mean()
+            rates["soft/keep"], rates["rate/token_drop"] = mean(soft), 1 - mean(hard.detach())
         if "skip" in self.recipe.actions:
             p = torch.cat([p[c] for r in records for p, c in zip(r.skip_probability, r.skip_candidates)])
-            rates["soft/skip"], rates["rate/expert_skip"] = p.mean(), (p.detach() > 0.5).float().mean()
+            rates["soft/skip"], rates["rate/expert_skip"] = mean(p), mean(p.detach() > 0.5)
         if "layer" in self.recipe.actions:
             mask = torch.cat([m for r in records for m in r.layer_skip_mask.values()])
-            rates["soft/layer"], rates["rate/layer_skip"] = mask.mean(), mask.detach().mean()
+            rates["soft/layer"], rates["rate/layer_skip"] = mean(mask), mean(mask.detach())
         if "null" in self.recipe.actions:
-            physical = torch.cat([p for r in records for p in r.physical_experts]).float()
-            rates["rate/physical_experts"] = physical.mean()
+            physical = torch.cat([p for r in records for p in r.physical_experts])
+            rates["rate/physical_experts"] = mean(physical)
         return rates
 
     def budget_loss(self, records: list, rates: dict, step: int, total: int, active: tuple[str, ...]) -> torch.Tensor:
@@ -251,7 +278,7 @@ class GateTraining:
             first, second = options.load_balance_weights
             logits = [logits for r in records for logits in r.joint_router_logits]
             candidates = logits[0].shape[-1]
-            balance = load_balancing_loss(logits, candidates, self.costs.experts_per_token)
+            balance = load_balancing_loss(logits, candidates, self.costs.experts_per_token, over_processes=True)
             return (first if progress < 0.5 else second) * balance
         if budget == "layer_squared":
             weight = 1.0 if weight is None else weight
@@ -265,9 +292,9 @@ class GateTraining:
         return weight * sum((soft[action] - options.target(action)) ** 2 for action in active)
 
     def expected_flops_ratio(self, record) -> torch.Tensor:
-        """E[FLOPs] / FLOPs_full of the language model in one forward, differentiable in the gates' probabilities:
-        Σ_tℓ keep_tℓ (1 - q_ℓ) [f_mixer(ℓ) + f_sh + (1 - p^skip_tℓ) f_rt] over the same sum at full compute
-        (attention's context term left out)."""
+        """E[FLOPs] / FLOPs_full of the language model in one forward (of every process: `global_mean`),
+        differentiable in the gates' probabilities: Σ_tℓ keep_tℓ (1 - q_ℓ) [f_mixer(ℓ) + f_sh + (1 - p^skip_tℓ) f_rt]
+        over the same sum at full compute (attention's context term left out)."""
         costs, text = self.costs, self.config.text_config
         num_tokens, num_layers = record.token_segments.numel(), text.num_hidden_layers
         device = record.token_segments.device
@@ -291,7 +318,7 @@ class GateTraining:
         routed = costs.experts_per_token * costs.routed_expert + costs.router
         cost = reach * (1 - skipped_block) * (mixer + costs.shared_expert + (1 - p_skip) * routed)
         full = num_tokens * (mixer + costs.shared_expert + routed).sum()
-        return cost.sum() / full
+        return global_mean(cost.sum(), full)
 
     def finish(self, log_history: list, folder: Path) -> dict:
         """Draws the rates beside the model; what the training record says of the recipe."""
@@ -311,6 +338,8 @@ class GateRecipeTrainer(Trainer):
     def __init__(self, *args, gate_training: GateTraining, **kwargs):
         super().__init__(*args, **kwargs)
         self.gate_training = gate_training
+        # The pruner's Gumbel noise: the same draws on every process (`SharedDraws`), whatever else draws numbers.
+        self.generator = torch.Generator().manual_seed(self.args.seed)
         self.sequential_stage = 0
         self.logged_rates: dict[str, list[float]] = {}
 
@@ -331,13 +360,13 @@ class GateRecipeTrainer(Trainer):
                 continue
             parts = []
             for chunk in inputs[side]:
-                part, record = training.embed(model, chunk, step, total)
+                part, record = training.embed(model, chunk, step, total, self.generator)
                 parts.append(part)
                 records.append(record)
                 if training.teacher is not None:
                     distill.append(((part - training.teacher_embeddings(chunk)) ** 2).sum(-1))
             embeddings[side] = torch.cat(parts)
-        loss = self.contrastive_loss(embeddings, inputs)
+        loss = with_every_trainable_parameter(self.contrastive_loss(embeddings, inputs), model)
         active = self.active_actions()
         rates = training.rates(records)
         budget = training.budget_loss(records, rates, step, total, active)
@@ -378,7 +407,9 @@ class GateRecipeTrainer(Trainer):
         super().log(logs, start_time)
 
     def create_optimizer(self, model=None):
-        """AdamW as the Trainer builds it, with the pruner's learning rate scaled (spec §3.1: 40x)."""
+        """AdamW as the Trainer builds it, with the pruner's learning rate scaled (spec §3.1: 40x). Under `--fsdp` /
+        `--ep` each group is split into the sharded parameters (DTensors) and those kept whole (the layer-skip gates):
+        the fused AdamW steps a group's parameters together and cannot mix them."""
         scale = self.gate_training.options.pruner_lr_scale
         model = self.model if model is None else model
         if self.optimizer is None and "drop" in self.gate_training.recipe.actions and scale != 1:
@@ -391,7 +422,14 @@ class GateRecipeTrainer(Trainer):
                  {"params": pruner, "weight_decay": self.args.weight_decay, "lr": self.args.learning_rate * scale}],
                 **kwargs,
             )  # fmt: skip
-        return super().create_optimizer(model)
+        optimizer = super().create_optimizer(model)
+        groups = []
+        for group in optimizer.param_groups:
+            sharded = [p for p in group["params"] if isinstance(p, DTensor)]
+            whole = [p for p in group["params"] if not isinstance(p, DTensor)]
+            groups += [group | {"params": sharded}, group | {"params": whole}] if sharded and whole else [group]
+        optimizer.param_groups = groups
+        return optimizer
 
 
 def recipe_trainer(base: type[Trainer]) -> type[Trainer]:

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 
 import torch
 
+from .balancing import number_of_processes, sum_over_processes
 
 def load_balancing_loss(
     router_logits: Sequence[torch.Tensor | None],
     num_experts: int,
     top_k: int,
     router_type: str = "softmax",
+    over_processes: bool = False,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss over all layers (equations 4-6 of Fedus et al.):
     `E * sum_e f_e * P_e`, with `f_e` the fraction of (token, slot) assignments of expert `e` and `P_e` its mean
@@ -22,6 +24,11 @@ def load_balancing_loss(
 
     For sigmoid routers the probabilities are the affinities normalised over experts, and the selection is the
     bias-free top-k of those probabilities.
+
+    `over_processes`: the global batch's under data parallelism, as SMoES's losses are: `f_e` (no gradient) counts
+    every process's assignments (`sum_over_processes`), and each process's `P_e` sums its own probabilities over the
+    rows of all processes, times their number, so that the mean of the processes' losses and gradients is one
+    process's on the global batch.
     """
     layers = [logits for logits in router_logits if logits is not None]
     if not layers:
@@ -37,6 +44,10 @@ def load_balancing_loss(
         )
         probability_sum = probability_sum + probs.sum(dim=0)
         rows += probs.shape[0]
+    if over_processes:
+        counts = sum_over_processes(torch.cat([assignments, assignments.new_tensor([rows])]))
+        assignments, rows = counts[:-1], counts[-1]
+        probability_sum = probability_sum * number_of_processes()
     if rows == 0:
         return assignments.sum() * 0.0
     return num_experts * torch.sum((assignments / rows) * (probability_sum / rows))

@@ -40,11 +40,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 
 from ...configuration.moemb_gates import EFFICIENCY_HEAD_INITS, GateModules
+from ..moe.balancing import number_of_processes
 
 
 ROUTE, SKIP, DROP = 0, 1, 2
@@ -181,10 +183,12 @@ def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | None = Non
     return -torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
 
 
-def gumbel_keep(logits: torch.Tensor, tau: float, generator: torch.Generator | None = None):
+def gumbel_keep(logits: torch.Tensor, tau: float, generator: torch.Generator | None = None,
+                gumbel: torch.Tensor | None = None):  # fmt: skip
     """Gumbel-softmax straight-through keep mask (spec §3.1): `(hard, soft)` where `hard` is the one-hot keep
-    decision in the forward with the gradient of the soft keep probability y[keep], and `soft` is y[keep]."""
-    gumbel = gumbel_noise(logits.shape, generator).to(logits.device)
+    decision in the forward with the gradient of the soft keep probability y[keep], and `soft` is y[keep]. `gumbel`:
+    the noise, if drawn already (`SharedDraws.noise`); else drawn here from `generator`."""
+    gumbel = (gumbel_noise(logits.shape, generator) if gumbel is None else gumbel).to(logits.device)
     soft = torch.softmax((logits.float() + gumbel) / tau, dim=-1)[..., 0]
     hard = (soft > 0.5).float()
     return hard - soft.detach() + soft, soft
@@ -223,23 +227,41 @@ class GateRecord:
 
 @dataclass
 class SharedDraws:
-    """The sampled actions of a forward drawn as if for a larger batch, of which the forward's input rows are
-    `rows`: at every MoE layer, Gumbel noise `(num_rows, length, 3)` for every position of every row of that batch
-    (the generator advances the same whatever rows the forward holds), of which each token reads its own row's and
-    position's, and takes argmax(log π + noise) (Gumbel-max: a draw from π). Data-parallel processes that share a
-    generator state and pass their rows of the global batch draw every token's action as one process on the global
-    batch would: the draws do not depend on which process holds an input, nor on its batch neighbours. The cost:
-    each process draws the noise of the global batch."""
+    """The random draws of a forward made as if for a larger batch, of which the forward's input rows are `rows`:
+    Gumbel noise `(num_rows, length, channels)` for every position of every row of that batch (the generator advances
+    the same whatever rows the forward holds), of which each token reads its own row's and position's. The sampled
+    actions take argmax(log π + noise) at every MoE layer (Gumbel-max: a draw from π), the pruner's Gumbel keep its
+    noise. Data-parallel processes that share a generator state and pass their rows of the global batch
+    (`global_batch`) draw for every token what one process on the global batch would: the draws depend neither on
+    which process holds an input nor on its batch neighbours. The cost: each process draws the global batch's noise."""
 
     rows: torch.Tensor  # (B,) long: each input row's row in the larger batch
     num_rows: int
     length: int  # the larger batch's longest input (right padding: a token's position is its input column)
 
+    @classmethod
+    def global_batch(cls, block_rows: int, blocks: int, length: int, device: torch.device | None = None) -> SharedDraws:
+        """The draws of a forward over `blocks` consecutive blocks of `block_rows` inputs, each block this process's
+        share of a block of the global batch (the data loader gives process p its rows p·B to p·B + B − 1): rows
+        block·B_g + p·B + b of blocks × B_g, B_g = world size × B, as long as the longest of every process's inputs
+        (`length`, this process's; a collective on `device`)."""
+        world_size = number_of_processes()
+        rank = dist.get_rank() if world_size > 1 else 0
+        longest = torch.tensor([length], device=device)
+        if world_size > 1:
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        block, row = torch.meshgrid(torch.arange(blocks), torch.arange(block_rows), indexing="ij")
+        rows = block * world_size * block_rows + rank * block_rows + row
+        return cls(rows=rows.flatten(), num_rows=blocks * world_size * block_rows, length=int(longest))
+
+    def noise(self, generator: torch.Generator | None, channels: int) -> torch.Tensor:
+        """`(B, length, channels)` Gumbel noise of this forward's rows (one draw for the larger batch)."""
+        return gumbel_noise((self.num_rows, self.length, channels), generator)[self.rows]
+
     def actions(self, log_probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor,
                 columns: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """`(T,)` actions of the tokens at input `rows` and `columns` from their `log_probs` `(T, 3)`."""
-        noise = gumbel_noise((self.num_rows, self.length, log_probs.shape[-1]), generator)
-        picked = noise[self.rows[rows.cpu()], columns.cpu()].to(log_probs.device)
+        picked = self.noise(generator, log_probs.shape[-1])[rows.cpu(), columns.cpu()].to(log_probs.device)
         return (log_probs.detach().float() + picked).argmax(-1)
 
 
@@ -253,7 +275,7 @@ class GateControl:
     temperature: the sampling temperature of the heads (T_s).
     actions: `(B, S, L)` long, "forced": the action of every token (input layout) at every layer, -1 where none.
     generator: the random source of the samples and the Gumbel noise (CPU).
-    draws: "sample": draw the actions for a larger batch (`SharedDraws`) instead of the forward's tokens alone.
+    draws: draw the sampled actions and the Gumbel noise for a larger batch (`SharedDraws`), not the forward's alone.
     """
 
     train: bool = False

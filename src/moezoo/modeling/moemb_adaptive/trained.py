@@ -170,7 +170,9 @@ class TrainedActions:
         logits = self.token_pruner(hidden_states)
         candidates = meta.alive & (meta.modality > 0) & ~meta.is_pooled
         if self.train:
-            hard, soft = gumbel_keep(logits, self.control.gumbel_temperature, self.control.generator)
+            control = self.control
+            gumbel = None if control.draws is None else control.draws.noise(control.generator, 2)[:, : logits.shape[1]]
+            hard, soft = gumbel_keep(logits, control.gumbel_temperature, control.generator, gumbel)
             self.key_keep = torch.where(candidates, hard, 1.0).to(hidden_states.dtype)
             self.record.keep_probability = torch.where(candidates, soft, 1.0)
             self.record.keep_mask = self.key_keep
