@@ -3,10 +3,10 @@ parallelism (`--ep 2`, SMoES also with moezoo's `--ep-implementation dedup`) giv
 weights of one process on the same global batch, OmniMoE-VL sharded after loading for its 0-d `fusion_output_scale`
 (`moezoo.training.adapted_sharding`); so does `--lora` under `--fsdp 2` and `--ep 2`, the adapters attached before
 the sharding; so does OmniMoE-VL with `--smoes` (SMoES on its language experts, attached by hooks before the
-sharding) under `--fsdp 2` and `--ep 2`; an interrupted run resumes to the uninterrupted weights (SMoES under FSDP2,
-OmniMoE-VL under DDP). The token experts' load-balancing loss (`router_aux_loss_coef`) is computed on each process's
-batch, as transformers does, so the OmniMoE-VL model is compared without it. Tiny models, two steps, one thread per
-process; the helpers are those of tests/test_distributed_training.py.
+sharding) under `--fsdp 2` and `--ep 2`; an interrupted run resumes to the uninterrupted weights (SMoES under FSDP2
+and under `--ep 2 --lora 2`, OmniMoE-VL under DDP). The token experts' load-balancing loss (`router_aux_loss_coef`)
+is computed on each process's batch, as transformers does, so the OmniMoE-VL model is compared without it. Tiny
+models, two steps, one thread per process; the helpers are those of tests/test_distributed_training.py.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
 ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--smoes]
@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from transformers.distributed.expert_parallel import EPImplementationInterface
 
 from moezoo.training import omnimoe_vl, smoes
@@ -183,19 +184,26 @@ def test_lora_sharded_trains_as_one_process(arch, stage, flags, folders, one_pro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "flags"), [("smoes", ("--fsdp", WORLD)), ("omnimoe_vl", ())],
-                         ids=["smoes-fsdp", "omnimoe_vl-ddp"])
-def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(arch, flags, folders, one_process, tmp_path):
+@pytest.mark.parametrize(("arch", "flags", "lora_r"), [
+    ("smoes", ("--fsdp", WORLD), 0),
+    ("smoes", ("--ep", WORLD), 2),
+    ("omnimoe_vl", (), 0),
+], ids=["smoes-fsdp", "smoes-ep-lora", "omnimoe_vl-ddp"])  # fmt: skip
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(arch, flags, lora_r, folders, one_process, tmp_path):
     """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, the run ends with the weights of
-    one uninterrupted process: SMoES under FSDP2 from its distributed checkpoint (`ShardedCheckpointsMixin`: model,
-    SMoES buffers and optimizer state), OmniMoE-VL's Stage I under DDP from the Trainer's checkpoint (the depth
+    one uninterrupted process: SMoES under FSDP2 and under EP with `--lora 2` from its distributed checkpoint
+    (`ShardedCheckpointsMixin`: model, SMoES buffers and optimizer state; with `--lora`, the expert adapters, which
+    PEFT's files do not hold, are in it too), OmniMoE-VL's Stage I under DDP from the Trainer's checkpoint (the depth
     router's routing step included)."""
-    reference, summary = one_process(arch, "I")
-    out, flags = tmp_path / "out", (*flags, "--save-steps", 1)
+    reference, summary = one_process(arch, "I", lora_r)
+    out, flags = tmp_path / "out", (*flags, "--lora", lora_r, "--save-steps", 1)
     stopped = run_distributed(arch, folders, out, *flags, "--stop-at", 2, check=False)
     assert stopped.returncode != 0 and not out.exists()
     checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
     assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() == (arch == "smoes")
+    if lora_r:
+        saved = FileSystemReader(checkpoint / DISTRIBUTED_CHECKPOINT).read_metadata().state_dict_metadata
+        assert any(".experts.parametrizations." in name and name.endswith(".lora_A") for name in saved)
     run_distributed(arch, folders, out, *flags, "--resume")
     assert not (tmp_path / "out.checkpoints").exists()
     assert_same_weights(out, reference)
