@@ -138,5 +138,45 @@ def test_models_with_0d_parameters_are_refused_under_zero3():
         deepspeed_zero.refuse_scalar_parameters(model)
 
 
+@requires_deepspeed
+def test_zero3_marks_the_moe_blocks_as_leaves_but_not_those_with_expert_adapters():
+    """MoEMB's model: every sparse MoE block is a leaf; once expert adapters parametrize the experts (every layer's
+    here), none is (see `set_moe_blocks_as_leaves`)."""
+    from deepspeed.utils import z3_leaf_module
+
+    from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
+    from moezoo.modeling.moe.block import SparseMoeBlock
+    from moezoo.modeling.moemb import MoEmbForEmbedding
+    from moezoo.training.expert_lora import add_expert_adapters
+
+    model = MoEmbForEmbedding(MoEmbConfig(**TINY_MOEMB))
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    assert blocks and deepspeed_zero.set_moe_blocks_as_leaves(model) == blocks
+    assert all(z3_leaf_module(block) for block in blocks)
+
+    adapted = MoEmbForEmbedding(MoEmbConfig(**TINY_MOEMB))
+    add_expert_adapters(adapted, 2, 4)
+    assert deepspeed_zero.set_moe_blocks_as_leaves(adapted) == []
+    assert not any(z3_leaf_module(module) for module in adapted.modules())
+
+
+def test_a_trainer_that_cannot_run_zero3_is_refused_with_its_reason():
+    from types import SimpleNamespace
+
+    class Trainer:  # the Trainer's first two parameters
+        def __init__(self, model, args):
+            self.model = model
+
+    class RefusingTrainer(deepspeed_zero.DeepSpeedZero3Mixin, Trainer):
+        zero3_refusal = "its vision tower runs on some processes only"
+
+    def arguments(zero3: bool):
+        return SimpleNamespace(hf_deepspeed_config=SimpleNamespace(is_zero3=lambda: zero3))
+
+    with pytest.raises(ValueError, match="--deepspeed with ZeRO-3: its vision tower runs on some processes only"):
+        RefusingTrainer(torch.nn.Linear(2, 2), arguments(zero3=True))
+    assert RefusingTrainer(torch.nn.Linear(2, 2), arguments(zero3=False)).model is not None  # ZeRO-2 and below run
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

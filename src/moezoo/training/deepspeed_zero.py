@@ -102,6 +102,15 @@ def is_zero3(args) -> bool:
     return config is not None and config.is_zero3()
 
 
+# Why a recipe whose model skips a module on some processes cannot run under ZeRO-3 (MoEMB's vision tower).
+SKIPPED_MODULES = (
+    "ZeRO-3 gathers a module's parameters with a collective of every process when the module runs, and this "
+    "model's {module} runs only on the processes whose batch holds {inputs}, so the processes' collectives stop "
+    "matching (gloo fails, nccl hangs); train it with --fsdp N (which gathers such modules at every step) or a "
+    "DeepSpeed config of ZeRO stage 2 or below"
+)
+
+
 def refuse_scalar_parameters(model: nn.Module) -> None:
     """DeepSpeed (0.19) moves every parameter of a ZeRO-3 model as bytes (`param.data.view(torch.uint8)`, to
     broadcast it before partitioning), which a 0-d tensor cannot be viewed as: MoE-ViE's `logit_scale` and
@@ -141,10 +150,16 @@ def set_moe_blocks_as_leaves(model: nn.Module) -> list[nn.Module]:
 class DeepSpeedZero3Mixin:
     """A `transformers.Trainer` mixin (placed before `Trainer`) for ZeRO-3 runs: the sparse MoE blocks become leaf
     modules before DeepSpeed wraps the model, and `train` ends with the model gathered whole on every process, no
-    longer partitioned (see the module docstring). Without ZeRO-3 it changes nothing."""
+    longer partitioned (see the module docstring). Without ZeRO-3 it changes nothing.
+
+    A trainer whose recipe cannot run under ZeRO-3 says why in `zero3_refusal`, and is refused when it starts."""
+
+    zero3_refusal: str | None = None
 
     def __init__(self, model=None, args=None, *more, **kwargs):  # Trainer's first two parameters
         if model is not None and is_zero3(args):
+            if self.zero3_refusal is not None:
+                raise ValueError(f"--deepspeed with ZeRO-3: {self.zero3_refusal}")
             refuse_scalar_parameters(model)
             set_moe_blocks_as_leaves(model)
         super().__init__(model, args, *more, **kwargs)
