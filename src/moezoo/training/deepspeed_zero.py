@@ -11,11 +11,17 @@ How a ZeRO-3 run differs from the other modes (`moezoo.training.distributed`):
   partitions it, when the Trainer starts: transformers' `zero.Init` loading, which partitions while reading, would
   hand the recipes that read or copy weights after loading (a new expert copied from another, MoEMB's `<emb>` row)
   empty partitions.
-- The zoo's sparse MoE blocks are ZeRO-3 leaf modules (`set_z3_leaf_modules`): each block gathers the parameters of
-  its router, routed and shared experts in one step when it runs, instead of one hook per submodule, so the
-  processes' gathers stay in step whichever experts their tokens reach.
+- The zoo's sparse MoE blocks are ZeRO-3 leaf modules (`set_moe_blocks_as_leaves`): each block gathers the
+  parameters of its router, routed and shared experts in one step when it runs, instead of one hook per submodule
+  (except the blocks that carry expert adapters, see there).
 - When training ends the parameters are gathered back on every process and DeepSpeed's hooks are removed
   (`DeepSpeedZero3Mixin.train`), so that the commands merge and save the trained model as after a one-process run.
+- Refused when the Trainer starts: models with 0-d parameters (`refuse_scalar_parameters`) and trainers that say why
+  their recipe cannot run (`DeepSpeedZero3Mixin.zero3_refusal`: MoEMB, whose vision tower runs on some processes
+  only, `SKIPPED_MODULES`).
+- DeepSpeed's optimizer holds each process's partition as one flat tensor: parameters that took no part in a step
+  (MoTE's unselected experts) get zero gradients, which Adam's momentum still turns into updates, where a
+  one-process run skips them.
 
 On a machine without CUDA DeepSpeed runs on its CPU accelerator with gloo; its shared-memory all-reduce, a C++ op
 compiled on first use that serves inference only (`inference_all_reduce`), is not built (`training_config`).
