@@ -217,16 +217,16 @@ def test_rollouts_drawn_for_the_whole_batch_do_not_depend_on_how_it_is_split(mod
     """`SharedDraws`, as two processes of a distributed launch use it: each half of the batch (its queries and their
     targets), drawing for the whole batch from the same generator state and keeping its rows, takes the actions and
     log-probabilities of the whole batch's rollouts; the draws differ from rollout to rollout."""
-    pairs, rollouts, length = 2, 3, batch["input_ids"].shape[1]
+    pairs, rollouts = 2, 3
     whole = sample_rollouts(model, batch, rollouts, 1.0, "masked", torch.Generator().manual_seed(7),
-                            SharedDraws(torch.arange(rollouts * 4 * pairs), rollouts * 4 * pairs, length))  # fmt: skip
+                            SharedDraws(torch.arange(rollouts * 4 * pairs)))  # fmt: skip
     assert len({tuple(actions.flatten().tolist()) for actions in whole.actions}) == rollouts
     for half in range(2):
         rows = torch.tensor([half * pairs + b + side * 2 * pairs for side in range(2) for b in range(pairs)])
         part = {key: value[rows] for key, value in batch.items()}
         part_length = int(part["attention_mask"].sum(-1).max())
         part = {key: value[:, :part_length] for key, value in part.items()}  # padded to its own longest input
-        draws = SharedDraws(torch.cat([rows + g * 4 * pairs for g in range(rollouts)]), rollouts * 4 * pairs, length)
+        draws = SharedDraws(torch.cat([rows + g * 4 * pairs for g in range(rollouts)]))
         sampled = sample_rollouts(model, part, rollouts, 1.0, "masked", torch.Generator().manual_seed(7), draws)
         assert torch.equal(sampled.actions, whole.actions[:, rows, :part_length])
         torch.testing.assert_close(sampled.log_probs, whole.log_probs[:, rows], atol=1e-5, rtol=0)

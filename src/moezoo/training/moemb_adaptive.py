@@ -227,8 +227,7 @@ class GateTraining:
     def embed(self, model: nn.Module, chunk: dict, step: int, total: int, generator: torch.Generator | None = None):
         """The embeddings of a training forward with the gates in their differentiable form, and its record. The
         pruner's Gumbel noise comes from `generator`, drawn for the global batch (`SharedDraws`)."""
-        input_ids = chunk["input_ids"]
-        draws = SharedDraws.global_batch(input_ids.shape[0], 1, input_ids.shape[1], input_ids.device)
+        draws = SharedDraws.global_batch(chunk["input_ids"].shape[0], 1)
         control = GateControl(train=True, gumbel_temperature=self.gumbel_temperature(step, total), generator=generator,
                               draws=draws)  # fmt: skip
         with controlled_gates(model, control):

@@ -275,21 +275,6 @@ def repeat_batch(batch: dict, times: int) -> dict:
     return {key: torch.cat([value] * times) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
-def global_draws(batch: dict, num_rollouts: int) -> SharedDraws:
-    """The draws of this process's rollouts of `batch` (B queries, then their B targets) made for the global batch
-    (`SharedDraws`): rollout g of pair b's query (s = 0) or target (s = 1) on process p is row g·2B_g + s·B_g + p·B + b
-    of the global batch of B_g = world size × B pairs (the data loader gives process p the pairs p·B to p·B + B − 1
-    of each global batch), whose longest input is the longest of every process's. A collective."""
-    rank, world_size = world()
-    input_ids = batch["input_ids"]
-    pairs, global_pairs = input_ids.shape[0] // 2, world_size * input_ids.shape[0] // 2
-    length = int(all_gather_with_grad(input_ids.new_tensor([input_ids.shape[1]])).max())
-    rollout, side, pair = torch.meshgrid(torch.arange(num_rollouts), torch.arange(2), torch.arange(pairs),
-                                         indexing="ij")  # fmt: skip
-    rows = rollout * 2 * global_pairs + side * global_pairs + rank * pairs + pair
-    return SharedDraws(rows=rows.flatten(), num_rows=num_rollouts * 2 * global_pairs, length=length)
-
-
 @torch.no_grad()
 def sample_rollouts(
     model, batch: dict, num_rollouts: int, temperature: float, execution: str = "packed",
@@ -297,7 +282,7 @@ def sample_rollouts(
 ) -> Rollouts:  # fmt: skip
     """`num_rollouts` rollouts of every input of `batch`, every token drawing its action at every MoE layer; one
     forward over `num_rollouts` copies of the batch (each sample's actions are its own, spec §3.0). `draws`: the
-    actions drawn for a larger batch of which the copies are rows (`global_draws`)."""
+    actions drawn for a larger batch of which the copies are rows (`SharedDraws.global_batch`)."""
     control = GateControl(policy="sample", temperature=temperature, generator=generator, draws=draws)
     with controlled_gates(model, control):
         output = model(**repeat_batch(batch, num_rollouts), adaptive=policy_settings(execution))
@@ -372,8 +357,10 @@ class GatePolicyGRPOTrainer(LogsStepMeans, Trainer):
         rank, _ = world()
         with torch.no_grad():
             teacher = model(**batch, adaptive={}).embeddings
+        # G copies of the queries and the targets: 2G blocks, each this process's share of the global batch's.
+        draws = SharedDraws.global_batch(pairs, 2 * args.num_generations)
         rollouts = sample_rollouts(model, batch, args.num_generations, args.temperature, options.execution,
-                                   self.generator, global_draws(batch, args.num_generations))  # fmt: skip
+                                   self.generator, draws)  # fmt: skip
         # Queries against the teacher's targets, targets against the teacher's queries (spec A-29), of every process.
         sides = {"query": slice(0, pairs), "target": slice(pairs, 2 * pairs)}
         candidates = {side: all_gather_with_grad(teacher[rows]) for side, rows in sides.items()}

@@ -227,42 +227,40 @@ class GateRecord:
 
 @dataclass
 class SharedDraws:
-    """The random draws of a forward made as if for a larger batch, of which the forward's input rows are `rows`:
-    Gumbel noise `(num_rows, length, channels)` for every position of every row of that batch (the generator advances
-    the same whatever rows the forward holds), of which each token reads its own row's and position's. The sampled
-    actions take argmax(log π + noise) at every MoE layer (Gumbel-max: a draw from π), the pruner's Gumbel keep its
-    noise. Data-parallel processes that share a generator state and pass their rows of the global batch
-    (`global_batch`) draw for every token what one process on the global batch would: the draws depend neither on
-    which process holds an input nor on its batch neighbours. The cost: each process draws the global batch's noise."""
+    """The random draws of a forward made as for a larger batch, of which the forward's input rows are `rows`: each
+    row's Gumbel noise `(positions, channels)` comes from a generator of its own, seeded by one number drawn from the
+    shared generator (which so advances the same whatever rows the forward holds) plus the row's index in the larger
+    batch; a token reads its row's noise at its position (right padding: its input column), which does not depend on
+    how long the batch is. The sampled actions take argmax(log π + noise) at every MoE layer (Gumbel-max: a draw from
+    π), the pruner's Gumbel keep its noise. Data-parallel processes that share a generator state and pass their rows
+    of the global batch (`global_batch`) draw for every token what one process on the global batch would, each
+    drawing its own rows' noise only: the draws depend neither on which process holds an input nor on its batch
+    neighbours."""
 
     rows: torch.Tensor  # (B,) long: each input row's row in the larger batch
-    num_rows: int
-    length: int  # the larger batch's longest input (right padding: a token's position is its input column)
 
     @classmethod
-    def global_batch(cls, block_rows: int, blocks: int, length: int, device: torch.device | None = None) -> SharedDraws:
+    def global_batch(cls, block_rows: int, blocks: int) -> SharedDraws:
         """The draws of a forward over `blocks` consecutive blocks of `block_rows` inputs, each block this process's
         share of a block of the global batch (the data loader gives process p its rows p·B to p·B + B − 1): rows
-        block·B_g + p·B + b of blocks × B_g, B_g = world size × B, as long as the longest of every process's inputs
-        (`length`, this process's; a collective on `device`)."""
+        block·B_g + p·B + b, B_g = world size × B."""
         world_size = number_of_processes()
         rank = dist.get_rank() if world_size > 1 else 0
-        longest = torch.tensor([length], device=device)
-        if world_size > 1:
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         block, row = torch.meshgrid(torch.arange(blocks), torch.arange(block_rows), indexing="ij")
-        rows = block * world_size * block_rows + rank * block_rows + row
-        return cls(rows=rows.flatten(), num_rows=blocks * world_size * block_rows, length=int(longest))
+        return cls(rows=(block * world_size * block_rows + rank * block_rows + row).flatten())
 
-    def noise(self, generator: torch.Generator | None, channels: int) -> torch.Tensor:
-        """`(B, length, channels)` Gumbel noise of this forward's rows (one draw for the larger batch)."""
-        return gumbel_noise((self.num_rows, self.length, channels), generator)[self.rows]
+    def noise(self, generator: torch.Generator | None, positions: int, channels: int) -> torch.Tensor:
+        """`(B, positions, channels)` Gumbel noise of this forward's rows."""
+        seed = int(torch.randint(2**62, (), generator=generator))
+        return torch.stack([gumbel_noise((positions, channels), torch.Generator().manual_seed(seed + int(row)))
+                            for row in self.rows])  # fmt: skip
 
     def actions(self, log_probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor,
-                columns: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """`(T,)` actions of the tokens at input `rows` and `columns` from their `log_probs` `(T, 3)`."""
-        picked = self.noise(generator, log_probs.shape[-1])[rows.cpu(), columns.cpu()].to(log_probs.device)
-        return (log_probs.detach().float() + picked).argmax(-1)
+                columns: torch.Tensor, positions: int) -> torch.Tensor:  # fmt: skip
+        """`(T,)` actions of the tokens at input `rows` and `columns` (of `positions`) from their `log_probs`
+        `(T, 3)`."""
+        noise = self.noise(generator, positions, log_probs.shape[-1])
+        return (log_probs.detach().float() + noise[rows.cpu(), columns.cpu()].to(log_probs.device)).argmax(-1)
 
 
 @dataclass

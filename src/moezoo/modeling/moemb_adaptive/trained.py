@@ -115,7 +115,7 @@ class TrainedActions:
         rows = torch.arange(meta.alive.shape[0], device=routed.device)[:, None].expand_as(meta.alive).flatten()[routed]
         columns = meta.original_index.flatten()[routed]
         if self.policy == "sample" and control.draws is not None:
-            actions = control.draws.actions(log_probs, control.generator, rows, columns)
+            actions = control.draws.actions(log_probs, control.generator, rows, columns, record.actions.shape[1])
         elif self.policy == "sample":
             actions = sample_actions(log_probs, control.generator)
         elif self.policy == "forced":
@@ -171,7 +171,7 @@ class TrainedActions:
         candidates = meta.alive & (meta.modality > 0) & ~meta.is_pooled
         if self.train:
             control = self.control
-            gumbel = None if control.draws is None else control.draws.noise(control.generator, 2)[:, : logits.shape[1]]
+            gumbel = None if control.draws is None else control.draws.noise(control.generator, logits.shape[1], 2)
             hard, soft = gumbel_keep(logits, control.gumbel_temperature, control.generator, gumbel)
             self.key_keep = torch.where(candidates, hard, 1.0).to(hidden_states.dtype)
             self.record.keep_probability = torch.where(candidates, soft, 1.0)
