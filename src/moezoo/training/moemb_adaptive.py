@@ -26,8 +26,9 @@ the inference settings that use them (hard decisions), so the exported folder ru
 `rate/*` and drawn in `adaptive_rates.png`.
 
 On several processes (DDP, `--fsdp`, `--ep`) every rate, FLOPs ratio and load-balancing statistic is the global
-batch's (`global_mean`), and the pruner's Gumbel noise is drawn for the global batch from a generator every process
-seeds alike, each process keeping its rows (`SharedDraws`): the run trains as one process on the global batch.
+batch's (`global_mean`), and the pruner's Gumbel noise of each input is what one process on the global batch would
+draw for it (`SharedDraws`, from a generator every process seeds alike): the run trains as one process on the
+global batch.
 """
 
 from __future__ import annotations
