@@ -1,8 +1,8 @@
 """`moezoo train ARCH --deepspeed zero3` on two gloo processes (DeepSpeed's CPU accelerator): SMoES trained in full
-and with `--lora` give the losses and the final (merged) weights of one process on the same global batches, and the
-saved folder loads in a fresh process; a run resumes from its DeepSpeed checkpoint; what does not combine with
-`--deepspeed` is refused. Tiny models, two steps, one thread per process; the helpers, fixtures and one-process runs
-are those of tests/test_distributed_training_vlm.py.
+and with `--lora`, and OmniMoE-VL's Stage I (its 0-d `fusion_output_scale`), give the losses and the final (merged)
+weights of one process on the same global batches, and the saved folder loads in a fresh process; a run resumes from
+its DeepSpeed checkpoint; what does not combine with `--deepspeed` is refused. Tiny models, two steps, one thread per
+process; the helpers, fixtures and one-process runs are those of tests/test_distributed_training_vlm.py.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_deepspeed_training.py ARCH
 MODEL DATA OUT [--lora R] [--save-steps N] [--resume] [--stop-at STEP]`.
@@ -127,15 +127,15 @@ def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path
         TrainerOptions(deepspeed="zero3")
 
 
-def test_models_with_0d_parameters_are_refused_under_zero3():
-    """DeepSpeed's ZeRO-3 views every parameter as bytes, which a 0-d one cannot be (MoE-ViE's `logit_scale`)."""
-    from moezoo.configuration.moe_vie import TINY_MOE_VIE, MoeVieConfig
-    from moezoo.modeling.moe_vie import MoeVieModel
-
-    with torch.device("meta"):
-        model = MoeVieModel(MoeVieConfig(**TINY_MOE_VIE))
-    with pytest.raises(ValueError, match=r"MoeVieModel holds 0-d parameters \(logit_scale\).* --fsdp N"):
-        deepspeed_zero.refuse_scalar_parameters(model)
+@pytest.mark.slow
+@requires_deepspeed
+def test_zero3_trains_omnimoe_vl_and_its_0d_parameter_as_one_process(folders, one_process, tmp_path):
+    """OmniMoE-VL's Stage I, the projector: its 0-d `fusion_output_scale`, which DeepSpeed cannot partition, trains as
+    a one-element vector and is saved 0-d again (the weights are compared shape and all)."""
+    reference, summary = one_process("omnimoe_vl", "I")
+    run_zero3("omnimoe_vl", folders, tmp_path / "zero3")
+    assert_same_weights(tmp_path / "zero3", reference)
+    assert_same_losses(tmp_path / "zero3", summary)
 
 
 @requires_deepspeed

@@ -16,9 +16,10 @@ How a ZeRO-3 run differs from the other modes (`moezoo.training.distributed`):
   (except the blocks that carry expert adapters, see there).
 - When training ends the parameters are gathered back on every process and DeepSpeed's hooks are removed
   (`DeepSpeedZero3Mixin.train`), so that the commands merge and save the trained model as after a one-process run.
-- Refused when the Trainer starts: models with 0-d parameters (`refuse_scalar_parameters`) and trainers that say why
-  their recipe cannot run (`DeepSpeedZero3Mixin.zero3_refusal`: MoEMB, whose vision tower runs on some processes
-  only, `SKIPPED_MODULES`).
+- 0-d parameters, which DeepSpeed cannot broadcast, are one-element vectors for the run (at every ZeRO stage,
+  `scalar_parameters_as_vectors`).
+- Refused when the Trainer starts: trainers that say why their recipe cannot run (`DeepSpeedZero3Mixin.
+  zero3_refusal`: MoEMB, whose vision tower runs on some processes only, `SKIPPED_MODULES`).
 - DeepSpeed's optimizer holds each process's partition as one flat tensor: parameters that took no part in a step
   (MoTE's unselected experts) get zero gradients, which Adam's momentum still turns into updates, where a
   one-process run skips them.
@@ -102,10 +103,14 @@ def training_config(value: str) -> dict:
     return read_config(value)
 
 
+def uses_deepspeed(args) -> bool:
+    """Whether the Trainer arguments `args` train with DeepSpeed."""
+    return getattr(args, "hf_deepspeed_config", None) is not None
+
+
 def is_zero3(args) -> bool:
     """Whether the Trainer arguments `args` train with DeepSpeed ZeRO stage 3."""
-    config = getattr(args, "hf_deepspeed_config", None)
-    return config is not None and config.is_zero3()
+    return uses_deepspeed(args) and args.hf_deepspeed_config.is_zero3()
 
 
 # Why a recipe whose model skips a module on some processes cannot run under ZeRO-3 (MoEMB's vision tower).
@@ -117,17 +122,25 @@ SKIPPED_MODULES = (
 )
 
 
-def refuse_scalar_parameters(model: nn.Module) -> None:
-    """DeepSpeed (0.19) moves every parameter of a ZeRO-3 model as bytes (`param.data.view(torch.uint8)`, to
-    broadcast it before partitioning), which a 0-d tensor cannot be viewed as: MoE-ViE's `logit_scale` and
-    OmniMoE-VL's `fusion_output_scale` fail deep inside `deepspeed.initialize`. Refused here, saying what works."""
-    scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"--deepspeed with ZeRO-3: {type(model).__name__} holds 0-d parameters ({', '.join(scalars)}), which "
-            "DeepSpeed's ZeRO-3 cannot partition (it views every parameter as bytes to broadcast it); train it with "
-            "--fsdp N (which keeps them whole) or plain DDP, or with a ZeRO stage below 3"
-        )
+def scalar_parameters_as_vectors(model: nn.Module) -> list[nn.Parameter]:
+    """
+    The 0-d parameters of `model` (MoE-ViE's `logit_scale`, OmniMoE-VL's `fusion_output_scale`) reshaped to one
+    element each, for the run; `scalar_parameters_restored` turns them back. DeepSpeed (0.19) broadcasts every
+    parameter as bytes when it starts, at every ZeRO stage (`param.data.view(torch.uint8)`), which a 0-d tensor
+    cannot be viewed as. The models use them as factors, which a one-element vector broadcasts as the scalar did; the
+    checkpoints of the run (DeepSpeed's) hold them as such, and are resumed by the same code.
+    """
+    scalars = [parameter for parameter in model.parameters() if parameter.dim() == 0]
+    for parameter in scalars:
+        parameter.data = parameter.data.reshape(1)
+    return scalars
+
+
+def scalar_parameters_restored(parameters: list[nn.Parameter]) -> None:
+    """Undoes `scalar_parameters_as_vectors` on whole (no longer partitioned) parameters: the saved folder holds them
+    0-d, as the model defines them."""
+    for parameter in parameters:
+        parameter.data = parameter.data.reshape(())
 
 
 def set_moe_blocks_as_leaves(model: nn.Module) -> list[nn.Module]:
@@ -154,9 +167,10 @@ def set_moe_blocks_as_leaves(model: nn.Module) -> list[nn.Module]:
 
 
 class DeepSpeedZero3Mixin:
-    """A `transformers.Trainer` mixin (placed before `Trainer`) for ZeRO-3 runs: the sparse MoE blocks become leaf
-    modules before DeepSpeed wraps the model, and `train` ends with the model gathered whole on every process, no
-    longer partitioned (see the module docstring). Without ZeRO-3 it changes nothing.
+    """A `transformers.Trainer` mixin (placed before `Trainer`) for DeepSpeed runs: 0-d parameters are one-element
+    vectors for the run (every stage); under ZeRO-3 the sparse MoE blocks become leaf modules before DeepSpeed wraps
+    the model, and `train` ends with the model gathered whole on every process, no longer partitioned (see the module
+    docstring). Without DeepSpeed it changes nothing.
 
     A trainer whose recipe cannot run under ZeRO-3 says why in `zero3_refusal`, and is refused when it starts."""
 
@@ -166,14 +180,16 @@ class DeepSpeedZero3Mixin:
         if model is not None and is_zero3(args):
             if self.zero3_refusal is not None:
                 raise ValueError(f"--deepspeed with ZeRO-3: {self.zero3_refusal}")
-            refuse_scalar_parameters(model)
             set_moe_blocks_as_leaves(model)
+        deepspeed = model is not None and uses_deepspeed(args)
+        self.scalar_parameters = scalar_parameters_as_vectors(model) if deepspeed else []
         super().__init__(model, args, *more, **kwargs)
 
     def train(self, *args, **kwargs):
         result = super().train(*args, **kwargs)
         if self.is_deepspeed_enabled and is_zero3(self.args):
             gather_partitioned_parameters(self.model_wrapped, self.model)
+        scalar_parameters_restored(self.scalar_parameters)
         return result
 
 
