@@ -109,6 +109,12 @@ class MoeVieTrainer(ShardedCheckpointsMixin, Trainer):
     """Contrastive training over the global batch; the router auxiliary loss is added when the config asks for one
     (MoE-ViE itself uses none: its experts are balanced by the bias update)."""
 
+    zero3_refusal = (
+        "the contrastive loss over the global batch reads the model's logit_scale outside its forward "
+        "(`contrastive_logits`), where ZeRO-3 holds that parameter partitioned; train MoE-ViE with --fsdp N or a "
+        "DeepSpeed config of ZeRO stage 2 or below"
+    )
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         core = self.accelerator.unwrap_model(model)
         vision_config = core.config.vision_config
