@@ -91,6 +91,21 @@ def run_moezoo(*args, env: dict | None = None, cwd=None, timeout: int = 600) -> 
     )
 
 
+def run_moezoo_in_this_process(capfd, *args) -> subprocess.CompletedProcess:
+    """`moezoo ARGS` through the command's entry point (`moezoo.cli.main`) in this process, without a fresh
+    interpreter's seconds of imports, as `run_moezoo` reports it; the toy architecture is known once the test asks
+    for `toy_registered`. An exception escaping `main` fails the test, as its traceback would."""
+    from moezoo.cli import main
+
+    capfd.readouterr()
+    try:
+        status = main(list(map(str, args)))
+    except SystemExit as exit:  # argparse's errors
+        status = exit.code
+    captured = capfd.readouterr()
+    return subprocess.CompletedProcess(["moezoo", *map(str, args)], status, captured.out, captured.err)
+
+
 def free_port() -> int:
     """A local TCP port nobody listens on (at the time of asking)."""
     with socket.socket() as probe:

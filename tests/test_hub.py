@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from moezoo.hub.flatten import FlattenError, flatten_modules
 
-from conftest import TESTS, TOY_ENV, free_port, run_moezoo, run_python, run_two_processes
+from conftest import (
+    TESTS, TOY_ENV, free_port, run_moezoo, run_moezoo_in_this_process, run_python, run_two_processes,
+)
 
 
 @pytest.fixture(scope="module")
@@ -191,17 +193,6 @@ def test_large_models_are_sharded(toy_folders, tmp_path):
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 
-def export_in_this_process(capfd, *args) -> tuple[int, str]:
-    """`moezoo export ARGS` through the command's entry point in this process (the toy architecture registered by
-    the caller's `toy_registered`), without a fresh interpreter's seconds of imports: its exit status and stderr. An
-    exception escaping `main` fails the test, as its traceback would."""
-    from moezoo.cli import main
-
-    capfd.readouterr()
-    status = main(["export", *map(str, args)])
-    return status, capfd.readouterr().err
-
-
 def broken_copy(created, tmp_path, edit_state=None, edit_config=None):
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -232,10 +223,10 @@ def test_export_refuses_broken_folders_and_leaves_nothing_behind(toy_folders, to
                                                                  edit_state, edit_config, message):
     created, _ = toy_folders
     folder = broken_copy(created, tmp_path, edit_state, edit_config)
-    status, stderr = export_in_this_process(capfd, folder, "--out", tmp_path / "out")
-    assert status == 2
-    assert "Traceback" not in stderr
-    assert re.search(message, " ".join(stderr.split())), stderr
+    result = run_moezoo_in_this_process(capfd, "export", folder, "--out", tmp_path / "out")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert re.search(message, " ".join(result.stderr.split())), result.stderr
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
@@ -247,9 +238,9 @@ def test_export_of_a_truncated_checkpoint_says_so_and_leaves_nothing_behind(toy_
     folder = broken_copy(created, tmp_path)
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    status, stderr = export_in_this_process(capfd, folder, "--out", tmp_path / "out")
-    assert status == 2 and "Traceback" not in stderr
-    err = " ".join(stderr.split())
+    result = run_moezoo_in_this_process(capfd, "export", folder, "--out", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    err = " ".join(result.stderr.split())
     assert f"{folder / 'model.safetensors'} is not a complete safetensors file" in err and "incomplete" in err, err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -309,9 +300,10 @@ def test_a_corrupt_config_is_named(tmp_path):
 def test_commands_refuse_to_overwrite_without_asking(toy_folders, toy_registered, tmp_path, capfd):
     created, _ = toy_folders
     (tmp_path / "taken").mkdir()
-    status, stderr = export_in_this_process(capfd, created, "--out", tmp_path / "taken")
-    assert status == 2 and "--overwrite" in stderr
-    assert export_in_this_process(capfd, created, "--out", tmp_path / "taken", "--overwrite")[0] == 0
+    result = run_moezoo_in_this_process(capfd, "export", created, "--out", tmp_path / "taken")
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    overwritten = run_moezoo_in_this_process(capfd, "export", created, "--out", tmp_path / "taken", "--overwrite")
+    assert overwritten.returncode == 0
     assert (tmp_path / "taken" / "config.json").is_file()
 
 
