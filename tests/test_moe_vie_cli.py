@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Siglip2Config, Siglip2Model
 
-from conftest import run_moezoo, run_python
+from conftest import run_moezoo_in_this_process, run_python
 from moe_vie_reference import make_official_state_dict, official_model_config
 from moezoo.cli import main
 from moezoo.processors.tiny_tokenizers import build_tiny_clip_tokenizer
@@ -21,8 +21,8 @@ SPEC_VISION_COUNTS = {
 }
 
 
-def test_list_counts_match_the_spec_recount():
-    result = run_moezoo("list", "--json")
+def test_list_counts_match_the_spec_recount(capfd):
+    result = run_moezoo_in_this_process(capfd, "list", "--json")
     assert result.returncode == 0, result.stderr
     presets = {row["name"]: row for row in json.loads(result.stdout)}
     assert "tiny-moe_vie" in presets
@@ -51,14 +51,14 @@ def official_folder(tmp_path):
     return source
 
 
-def test_convert_an_official_checkpoint_then_export(tmp_path, official_folder, tokenizer_folder):
-    result = run_moezoo("convert", "--to", "moe_vie", "--from", official_folder, "--out", tmp_path / "converted",
-                        "--tokenizer", tokenizer_folder)
+def test_convert_an_official_checkpoint_then_export(tmp_path, official_folder, tokenizer_folder, capfd):
+    result = run_moezoo_in_this_process(capfd, "convert", "--to", "moe_vie", "--from", official_folder, "--out",
+                                        tmp_path / "converted", "--tokenizer", tokenizer_folder)
     assert result.returncode == 0, result.stderr
     provenance = json.loads((tmp_path / "converted" / "moezoo.json").read_text())
     assert provenance["converter"] == "moe-vie-official" and provenance["license"] == "cc-by-nc-4.0"
     assert provenance["key_accounting"]["unexpected"] == []
-    exported = run_moezoo("export", tmp_path / "converted", "--out", tmp_path / "hub")
+    exported = run_moezoo_in_this_process(capfd, "export", tmp_path / "converted", "--out", tmp_path / "hub")
     assert exported.returncode == 0, exported.stderr
     card = (tmp_path / "hub" / "README.md").read_text()
     assert "license: cc-by-nc-4.0" in card and "moe-vie-official" in card
@@ -91,17 +91,18 @@ def siglip2_folder(tmp_path):
     return source
 
 
-def test_upcycle_a_siglip2_folder_exactly(tmp_path, siglip2_folder):
-    result = run_moezoo("convert", "--to", "moe_vie", "--from", siglip2_folder, "--out", tmp_path / "upcycled",
-                        "--num-experts", "8", "--granularity", "4", "--top-k", "3")
+def test_upcycle_a_siglip2_folder_exactly(tmp_path, siglip2_folder, capfd):
+    result = run_moezoo_in_this_process(capfd, "convert", "--to", "moe_vie", "--from", siglip2_folder, "--out",
+                                        tmp_path / "upcycled", "--num-experts", "8", "--granularity", "4",
+                                        "--top-k", "3")
     assert result.returncode == 0, result.stderr
     provenance = json.loads((tmp_path / "upcycled" / "moezoo.json").read_text())
     assert provenance["converter"] == "moe-vie-upcycle" and provenance["max_abs_diff"] <= 1e-5
     assert provenance["upcycling"]["n_routed_experts"] == 7
     processor_config = json.loads((tmp_path / "upcycled" / "processor_config.json").read_text())
     assert processor_config["image_processor"]["resize_mode"] == "naflex"
-    wrong = run_moezoo("convert", "--to", "moe_vie", "--from", siglip2_folder, "--out", tmp_path / "bad",
-                       "--top-k", "99")
+    wrong = run_moezoo_in_this_process(capfd, "convert", "--to", "moe_vie", "--from", siglip2_folder, "--out",
+                                       tmp_path / "bad", "--top-k", "99")
     assert wrong.returncode == 2 and "top_k" in wrong.stderr and not (tmp_path / "bad").exists()
 
 
