@@ -4,12 +4,14 @@ weights of one process on the same global batches, and the saved folder loads in
 its DeepSpeed checkpoint; what does not combine with `--deepspeed` is refused. Tiny models, two steps, one thread per
 process; the helpers, fixtures and one-process runs are those of tests/test_distributed_training_vlm.py.
 
-Run as a script, this file is the training command of every process: `torchrun ... test_deepspeed_training.py ARCH
-MODEL DATA OUT [--lora R] [--save-steps N] [--resume] [--stop-at STEP]`.
+The launches partition every parameter (`zero3_config`), the tiny models' small ones included. Run as a script,
+this file is the training command of every process: `torchrun ... test_deepspeed_training.py ARCH MODEL DATA OUT
+[--deepspeed CONFIG] [--lora R] [--save-steps N] [--resume] [--stop-at STEP]`.
 """
 
 import argparse
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -37,6 +39,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     for name in ("arch", "model", "data", "out"):
         parser.add_argument(name)
+    parser.add_argument("--deepspeed", default="zero3")
     parser.add_argument("--lora", type=int, default=0)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
@@ -47,24 +50,36 @@ def main(argv: list[str]) -> None:
         interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
     try:
         train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, lora_r=args.lora,
-              save_steps=args.save_steps, resume=args.resume, deepspeed="zero3")
+              save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
     except KeyboardInterrupt:
         sys.exit(3)
 
 
-def run_zero3(arch: str, folders, out, *flags, check: bool = True):
-    return run_processes(__file__, arch, *folders[arch], out, *map(str, flags), nproc=WORLD, timeout=300, check=check)
+def run_zero3(arch: str, folders, out, config, *flags, check: bool = True):
+    return run_processes(__file__, arch, *folders[arch], out, "--deepspeed", config, *map(str, flags), nproc=WORLD,
+                         timeout=300, check=check)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zero3_config(tmp_path_factory):
+    """The `zero3` preset with every parameter partitioned: DeepSpeed keeps the parameters under
+    `stage3_param_persistence_threshold` elements (1e5 by default, most of a tiny model's) whole on every process."""
+    config = deepspeed_zero.read_config("zero3")
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path_factory.mktemp("deepspeed") / "zero3_all_partitioned.json"
+    path.write_text(json.dumps(config))
+    return path
 
 
 @pytest.mark.slow
 @requires_deepspeed
 @pytest.mark.parametrize("lora_r", [0, 2])
-def test_zero3_trains_as_one_process(lora_r, folders, one_process, tmp_path):
+def test_zero3_trains_as_one_process(lora_r, folders, one_process, zero3_config, tmp_path):
     """SMoES (a Qwen3.5-MoE host): its sparse MoE blocks are ZeRO-3 leaves; in full, and with PEFT's LoRA attached
     after loading (partitioned by DeepSpeed with the rest), merged at the end. The full run's folder loads in a
     fresh process."""
     reference, summary = one_process("smoes", "I", lora_r)
-    run_zero3("smoes", folders, tmp_path / "zero3", "--lora", lora_r)
+    run_zero3("smoes", folders, tmp_path / "zero3", zero3_config, "--lora", lora_r)
     assert_same_weights(tmp_path / "zero3", reference)
     assert_same_losses(tmp_path / "zero3", summary)
     if lora_r:
@@ -81,15 +96,15 @@ def test_zero3_trains_as_one_process(lora_r, folders, one_process, tmp_path):
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_a_zero3_run_resumes_from_its_deepspeed_checkpoint(folders, one_process, tmp_path):
+def test_a_zero3_run_resumes_from_its_deepspeed_checkpoint(folders, one_process, zero3_config, tmp_path):
     """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of one uninterrupted
     process."""
     reference, _ = one_process("smoes", "I")
     out = tmp_path / "out"
-    stopped = run_zero3("smoes", folders, out, "--save-steps", 1, "--stop-at", 2, check=False)
+    stopped = run_zero3("smoes", folders, out, zero3_config, "--save-steps", 1, "--stop-at", 2, check=False)
     assert stopped.returncode != 0 and not out.exists()
     assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
-    run_zero3("smoes", folders, out, "--save-steps", 1, "--resume")
+    run_zero3("smoes", folders, out, zero3_config, "--save-steps", 1, "--resume")
     assert_same_weights(out, reference)
 
 
@@ -129,11 +144,11 @@ def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_zero3_trains_omnimoe_vl_and_its_0d_parameter_as_one_process(folders, one_process, tmp_path):
+def test_zero3_trains_omnimoe_vl_and_its_0d_parameter_as_one_process(folders, one_process, zero3_config, tmp_path):
     """OmniMoE-VL's Stage I, the projector: its 0-d `fusion_output_scale`, which DeepSpeed cannot partition, trains as
     a one-element vector and is saved 0-d again (the weights are compared shape and all)."""
     reference, summary = one_process("omnimoe_vl", "I")
-    run_zero3("omnimoe_vl", folders, tmp_path / "zero3")
+    run_zero3("omnimoe_vl", folders, tmp_path / "zero3", zero3_config)
     assert_same_weights(tmp_path / "zero3", reference)
     assert_same_losses(tmp_path / "zero3", summary)
 
