@@ -22,7 +22,7 @@ from transformers import (
 from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrTextMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from conftest import run_moezoo
+from conftest import run_moezoo_in_this_process
 from moezoo.configuration.mote import TINY_GLM_OCR, TINY_LLAMA, TINY_SIGLIP_VISION
 from moezoo.conversion import mote_glm_ocr, mote_llama
 from moezoo.conversion.common import find_converter, local_source, save_conversion
@@ -436,19 +436,21 @@ def test_a_hub_source_is_recorded_by_its_repo_id_not_its_cache_path(llama_source
     assert local.model.config.mote_base_model == local.provenance["base_model"] == str(folder)
 
 
-def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_source, siglip_source, tmp_path):
+def test_convert_to_the_mote_family_picks_the_member_from_the_source(llama_source, siglip_source, tmp_path, capfd):
     _, folder = llama_source
     _, vision_folder = siglip_source
-    text = run_moezoo("convert", "--to", "mote", "--from", folder, "--out", tmp_path / "text", "--experts", "a,b")
+    text = run_moezoo_in_this_process(capfd, "convert", "--to", "mote", "--from", folder, "--out", tmp_path / "text",
+                                      "--experts", "a,b")
     assert text.returncode == 0, text.stderr
     assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "llama_mote"
     assert read_provenance(tmp_path / "text")["converter"] == "mote-llama-text"
-    video = run_moezoo("convert", "--to", "mote", "--from", folder, "--vision", vision_folder,
-                       "--out", tmp_path / "video", "--experts", "a,b")
+    video = run_moezoo_in_this_process(capfd, "convert", "--to", "mote", "--from", folder, "--vision", vision_folder,
+                                       "--out", tmp_path / "video", "--experts", "a,b")
     assert video.returncode == 0, video.stderr
     assert json.loads((tmp_path / "video" / "config.json").read_text())["model_type"] == "videollm_mote"
     assert VideoLlmMoteProcessor.from_pretrained(tmp_path / "video").expert_names == ["a", "b"]  # ready to train
-    wrong = run_moezoo("convert", "--to", "videollm_mote", "--from", folder, "--out", tmp_path / "wrong")
+    wrong = run_moezoo_in_this_process(capfd, "convert", "--to", "videollm_mote", "--from", folder, "--out",
+                                       tmp_path / "wrong")
     assert wrong.returncode != 0 and "produced a llama_mote model" in " ".join(wrong.stderr.split())
     assert not (tmp_path / "wrong").exists()
     with pytest.raises(KeyError, match="and the families mote"):

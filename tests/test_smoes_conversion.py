@@ -14,7 +14,7 @@ from moezoo.conversion.smoes_qwen3_5_moe import convert_qwen3_5_moe_to_smoes, sy
 from moezoo.modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
 from moezoo.presets.smoes import TINY_SMOES
 
-from conftest import run_moezoo
+from conftest import run_moezoo_in_this_process
 
 
 SMOES_FIELDS = ("smoes_num_bins", "smoes_ep_devices", "smoes_mi_coef", "smoes_bal_coef")
@@ -78,10 +78,10 @@ def test_calibration_initialises_the_statistics_and_leaves_the_step_at_zero(base
     assert report["calibration_batches"] == 2 and report["max_abs_diff"] is None
 
 
-def test_command_writes_a_folder_that_loads_with_the_buffers(base_folder, base, tmp_path):
+def test_command_writes_a_folder_that_loads_with_the_buffers(base_folder, base, tmp_path, capfd):
     out = tmp_path / "smoes"
-    result = run_moezoo("convert", "--to", "smoes", "--from", base_folder, "--out", out, "--num-bins", "2",
-                        "--calibrate", "1")  # fmt: skip
+    result = run_moezoo_in_this_process(capfd, "convert", "--to", "smoes", "--from", base_folder, "--out", out,
+                                        "--num-bins", "2", "--calibrate", "1")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["model_type"] == "smoes_qwen3_5_moe"
     provenance = json.loads((out / "moezoo.json").read_text())
@@ -109,17 +109,19 @@ def test_command_writes_a_folder_that_loads_with_the_buffers(base_folder, base, 
         (["--calibrate", "-1"], "--calibrate -1 (calibrate=-1) must be 0 or a number of batches"),
     ],
 )
-def test_bad_options_fail_naming_the_option_and_leave_no_folder(base_folder, tmp_path, options, message):
+def test_bad_options_fail_naming_the_option_and_leave_no_folder(base_folder, tmp_path, capfd, options, message):
     out = tmp_path / "smoes"
-    result = run_moezoo("convert", "--to", "smoes", "--from", base_folder, "--out", out, *options)
+    result = run_moezoo_in_this_process(capfd, "convert", "--to", "smoes", "--from", base_folder, "--out", out,
+                                        *options)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_a_source_that_is_not_a_qwen3_5_moe_vlm_is_refused(tmp_path):
+def test_a_source_that_is_not_a_qwen3_5_moe_vlm_is_refused(tmp_path, capfd):
     (tmp_path / "dense").mkdir()
     (tmp_path / "dense" / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
-    result = run_moezoo("convert", "--to", "smoes", "--from", tmp_path / "dense", "--out", tmp_path / "out")
+    result = run_moezoo_in_this_process(capfd, "convert", "--to", "smoes", "--from", tmp_path / "dense", "--out",
+                                        tmp_path / "out")
     assert result.returncode == 2 and "no smoes converter takes a source of type 'qwen3_5'" in result.stderr
     with pytest.raises(ValueError, match="not a Qwen3.5-MoE vision-language checkpoint"):
         convert_qwen3_5_moe_to_smoes(tmp_path / "dense")
