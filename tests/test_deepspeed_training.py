@@ -5,59 +5,29 @@ its DeepSpeed checkpoint; what does not combine with `--deepspeed` is refused. T
 process; the helpers, fixtures and one-process runs are those of tests/test_distributed_training_vlm.py.
 
 The launches partition every parameter (`zero3_config`), the tiny models' small ones included. Run as a script,
-this file is the training command of every process: `torchrun ... test_deepspeed_training.py ARCH MODEL DATA OUT
-[--deepspeed CONFIG] [--lora R] [--save-steps N] [--resume] [--stop-at STEP]`.
+each process runs tests/test_distributed_training_vlm.py's training command with `--deepspeed CONFIG`.
 """
 
 import argparse
 import importlib.util
 import json
-import sys
 
 import pytest
 import torch
 
 from moezoo.training import deepspeed_zero
 
-from conftest import run_processes, run_python
-from test_distributed_training import (
-    GLOBAL_BATCH,
-    WEIGHT_ATOL,
-    WORLD,
-    assert_same_losses,
-    assert_same_weights,
-    interrupt_at,
-)
-from test_distributed_training_vlm import TRAINER_CLASSES, folders, one_process, train  # noqa: F401 (fixtures)
+from conftest import run_python
+from test_distributed_training import WEIGHT_ATOL, assert_same_losses, assert_same_weights
+from test_distributed_training_vlm import folders, one_process, run_distributed  # noqa: F401 (fixtures)
 
 # Installed by the `test` extra; skipped before the fixtures build their models when it is not.
 requires_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                         reason=f"DeepSpeed is not installed: {deepspeed_zero.INSTALL}")
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("arch", "model", "data", "out"):
-        parser.add_argument(name)
-    parser.add_argument("--deepspeed", default="zero3")
-    parser.add_argument("--lora", type=int, default=0)
-    parser.add_argument("--save-steps", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if args.stop_at:
-        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
-    try:
-        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, lora_r=args.lora,
-              save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
-    except KeyboardInterrupt:
-        sys.exit(3)
-
-
 def run_zero3(arch: str, folders, out, config, *flags, check: bool = True):
-    return run_processes(__file__, arch, *folders[arch], out, "--deepspeed", config, *map(str, flags), nproc=WORLD,
-                         timeout=300, check=check)  # fmt: skip
+    return run_distributed(arch, folders, out, "--deepspeed", config, *flags, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +162,3 @@ def test_a_trainer_that_cannot_run_zero3_is_refused_with_its_reason():
         RefusingTrainer(torch.nn.Linear(2, 2), arguments(zero3=True))
     assert RefusingTrainer(torch.nn.Linear(2, 2), arguments(zero3=False)).model is not None  # ZeRO-2 and below run
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

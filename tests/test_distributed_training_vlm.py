@@ -73,6 +73,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ep-implementation", default="auto")
     parser.add_argument("--lora", type=int, default=0)
     parser.add_argument("--smoes", action="store_true")
+    parser.add_argument("--deepspeed", help="a DeepSpeed config (tests/test_deepspeed_training.py)")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> None:
     try:
         train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, args.smoes,
               fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora,
-              save_steps=args.save_steps, resume=args.resume)
+              save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
     except KeyboardInterrupt:
         sys.exit(3)
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
