@@ -269,6 +269,22 @@ def test_sizes_and_data_that_do_not_fit_the_launch_are_refused(monkeypatch):
         check_enough_examples(3, 2)
 
 
+def test_recipes_sharded_after_loading_refuse_uneven_experts_before_reading_a_weight(moe_vie_folder, monkeypatch):
+    """`adapted_sharding` loads the whole model before sharding it: the EP check comes first, as for a sharded load.
+    (The tiny MoE-ViE has 7 experts per MoE layer.)"""
+    from moezoo.modeling.moe_vie import MoeVieModel
+    from moezoo.training.adapted_sharding import load_adapted_for_training
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun sets it; the check comes before any collective
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("the weights were read before the check")
+
+    monkeypatch.setattr(MoeVieModel, "from_pretrained", read_weights)
+    with pytest.raises(ValueError, match=rf"\(7\) do not split evenly over {WORLD} processes"):
+        load_adapted_for_training(MoeVieModel, moe_vie_folder, None, ep=WORLD)
+
+
 @pytest.mark.slow
 def test_processes_loading_different_dtypes_fail_at_the_start(tmp_path):
     script = tmp_path / "dtypes.py"

@@ -1,5 +1,6 @@
 """`--fsdp` / `--ep` for recipes that change the model after loading it: PEFT's LoRA adapters and trainable token
-rows, MoEMB's expert adapters (parametrizations of the fused expert weights), the trainable parameters they add.
+rows, the expert adapters (`expert_lora`: parametrizations of the fused expert weights), the trainable parameters
+they add.
 
 transformers shards a model inside `from_pretrained(distributed_config=...)`, before the weights are read, so what a
 recipe adds afterwards would sit beside the shards: FSDP2 would neither shard nor reduce it, and a parametrization
@@ -10,13 +11,13 @@ whole on every process:
    its contiguous range of the experts it loaded, and gets the token exchange);
 2. the recipe adapts the model (`adapt`);
 3. FSDP2 shards what the model's FSDP plan names (transformers' `apply_fully_sharded_data_parallelism`), adapters
-   included. Modules the recipe added inside an experts module (MoEMB's expert adapters) become FSDP2 units of the
+   included. Modules the recipe added inside an experts module (the expert adapters) become FSDP2 units of the
    dense mesh first: they are replicated per process, not split by expert, so their gradients, like the dense ones,
    are averaged over every process (the experts' own gradients are reduced over the expert-sharding group only).
    0-d parameters (MoE-ViE's `logit_scale`, OmniMoE-VL's `fusion_output_scale`), which FSDP2 cannot shard, stay
-   whole (`parameters_set_aside`): a model that holds them shards through here even with nothing to adapt. PEFT's
-   LoRA on fused experts (`target_parameters`) shards under FSDP2 alone: under EP its update, built for all the
-   experts, would meet expert weights split over the processes (`distributed.refuse_expert_parallel_lora`).
+   whole (`parameters_set_aside`): a model that holds them shards through here even with nothing to adapt. The
+   recipes adapt fused experts with the expert adapters, not PEFT's `target_parameters`, whose update, built for all
+   the experts at once, would meet expert weights split over the processes under EP.
 
 The cost: each process reads the whole model once before the shards are cut (a sharded load reads its shard only).
 At the end `unsharded_copy` gathers the trained weights into an unsharded model of the same recipe on every process,
@@ -45,24 +46,26 @@ from .distributed import check_shardable, distributed_config, load_for_training
 def load_adapted_for_training(model_class: type[PreTrainedModel], folder: str | Path,
                               adapt: Callable[[PreTrainedModel], nn.Module] | None, fsdp: int = 1, ep: int = 1,
                               ep_implementation: str = "auto", root_held: tuple[str, ...] = (),
-                              **kwargs) -> nn.Module:  # fmt: skip
+                              kept_whole: tuple[str, ...] = (), **kwargs) -> nn.Module:  # fmt: skip
     """`adapt(model_class.from_pretrained(folder, **kwargs))`, sharded as `--fsdp` / `--ep` ask (checked as
     `load_for_training` checks them) with what `adapt` added (see the module docstring and `shard_adapted` for
-    `root_held`). `adapt` returns the model to train (a PEFT model wrapping the one it was given, or that model);
-    None adapts nothing, for a model whose 0-d parameters keep it from transformers' sharded loading."""
+    `root_held` and `kept_whole`). `adapt` returns the model to train (a PEFT model wrapping the one it was given, or
+    that model); None adapts nothing, for a model whose 0-d parameters keep it from transformers' sharded loading."""
     adapt = adapt or (lambda model: model)
     # Checkpoints are not refused (`distributed_config`'s save_steps): the trainers of these recipes write them with
     # `ShardedCheckpointsMixin`.
     parallelism = distributed_config(fsdp, ep, ep_implementation=ep_implementation)
+    if parallelism is not None:  # before any weight is read, as `load_for_training` checks a sharded load
+        check_shardable(model_class, model_class.config_class.from_pretrained(folder), ep, replicated_scalars=True)
     model = load_for_training(model_class, folder, **kwargs)
     if parallelism is None:
         return adapt(model)
-    check_shardable(model_class, model.config, ep, replicated_scalars=True)
-    return shard_adapted(model, adapt, parallelism, root_held)
+    return shard_adapted(model, adapt, parallelism, root_held, kept_whole)
 
 
 def shard_adapted(model: PreTrainedModel, adapt: Callable[[PreTrainedModel], nn.Module],
-                  parallelism: DistributedConfig, root_held: tuple[str, ...] = ()) -> nn.Module:  # fmt: skip
+                  parallelism: DistributedConfig, root_held: tuple[str, ...] = (),
+                  kept_whole: tuple[str, ...] = ()) -> nn.Module:  # fmt: skip
     """
     Steps 1-3 of the module docstring on `model`, loaded whole on every process. Marks the model as transformers'
     `maybe_distribute_model` does, so that the Trainer neither wraps it in DDP nor shards it again.
@@ -71,6 +74,13 @@ def shard_adapted(model: PreTrainedModel, adapt: Callable[[PreTrainedModel], nn.
     FSDP2 units of their own would gather and reduce on some processes only, and the collectives of the processes
     would no longer match. They are left to the root unit instead, which gathers them at every forward whether they
     run or not; `with_every_trainable_parameter` then gives their parameters a gradient on every process.
+
+    `kept_whole` names modules (a component of their qualified names, e.g. "efficiency_head") whose parameters stay
+    whole on every process, outside FSDP2, as 0-d parameters do (`parameters_set_aside`): parameters whose gradients
+    reach them by another way than their FSDP2 unit's output (MoEMB's GRPO efficiency heads, read through the gates'
+    record of log-probabilities), which FSDP2, whose backward hooks sit on its units' inputs and outputs, would never
+    reduce. The Trainer averages their gradients over the processes after every backward instead, which needs them to
+    have a gradient on every process at every backward.
     """
     parallelism, _, mesh = type(model).prepare_distribute_model(parallelism)
     model.config.distributed_config = parallelism
@@ -99,7 +109,9 @@ def shard_adapted(model: PreTrainedModel, adapt: Callable[[PreTrainedModel], nn.
             added = module is not experts and not any(isinstance(parameter, DTensor) for parameter in own)
             if added and any(parameter.requires_grad for parameter in own):
                 fully_shard(module, mesh=dense_mesh, reshard_after_forward=True)
-    with parameters_set_aside(model, [name for name, parameter in model.named_parameters() if parameter.dim() == 0]):
+    whole = [name for name, parameter in model.named_parameters()
+             if parameter.dim() == 0 or any(part in kept_whole for part in name.split("."))]  # fmt: skip
+    with parameters_set_aside(model, whole):
         apply_fully_sharded_data_parallelism(model, mesh, fsdp_plan, ep_plan)
     return adapted
 

@@ -67,6 +67,7 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
+from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy, with_every_trainable_parameter
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
 from .data import TABLE_FORMATS, load_table
@@ -276,7 +277,9 @@ def cached_contrastive_backward(
             with states[side, index].replay(), (nullcontext() if (side, index) == last else no_sync()):
                 embeddings = model(**chunk).embeddings
                 gradient = cached[side].grad[start : start + len(embeddings)]
-                backward((embeddings * gradient).sum())
+                # Under FSDP2 each chunk's backward reduces its gradients, which accumulate over the chunks; the
+                # root unit's parameters need one on every process, images or not (`with_every_trainable_parameter`).
+                backward(with_every_trainable_parameter((embeddings * gradient).sum(), model))
             start += len(embeddings)
     return loss.detach()
 
@@ -284,6 +287,8 @@ def cached_contrastive_backward(
 class MoEmbTrainer(LogsSmoesTerms, ShardedCheckpointsMixin, Trainer):
     """Global-batch InfoNCE (`info_nce_loss`), with GradCache when the collator makes several chunks per side. With
     SMoES (`config.smoes`), the SMoES losses of every training forward are added, and their terms logged."""
+
+    zero3_refusal = deepspeed_zero.SKIPPED_MODULES.format(module="vision tower", inputs="an image")
 
     def __init__(self, *args, logit_scale: float, mask_duplicate_targets: bool = False, gradcache: bool = False,
                  **kwargs):  # fmt: skip
@@ -450,10 +455,6 @@ def train_moemb(
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
         if examples is not None:
             check_enough_examples(len(examples), options.batch_size, name)
-    if options.chunk_size is not None and (options.fsdp > 1 or options.ep > 1):
-        raise ValueError("--chunk-size (GradCache) is not wired for --fsdp / --ep: each chunk's backward would reduce "
-                         "the sharded gradients on its own, for the modules that chunk ran; use GradCache with plain "
-                         "DDP (the same launch without --fsdp / --ep)")  # fmt: skip
     if options.chunk_size is not None and not 0 < options.chunk_size < options.batch_size:
         raise ValueError(f"--chunk-size must lie between 1 and the batch size {options.batch_size}, got "
                          f"{options.chunk_size}")  # fmt: skip
@@ -462,26 +463,38 @@ def train_moemb(
                          "train without --chunk-size")  # fmt: skip
 
     gates = None if options.adaptive is None else GateTraining(options.adaptive)
-    if gates is not None and (options.fsdp > 1 or options.ep > 1 or options.chunk_size is not None):
-        raise ValueError("--adaptive-recipe trains on one process, without --fsdp, --ep or --chunk-size")
+    if gates is not None and options.chunk_size is not None:
+        raise ValueError("--adaptive-recipe adds its gates' budget and distillation terms to each forward's loss, "
+                         "which GradCache (--chunk-size) does not back-propagate: train without "
+                         "--chunk-size")  # fmt: skip
 
-    def with_lora(model: MoEmbForEmbedding) -> MoEmbLoraModel:
-        if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
-            raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
+    def with_smoes(model: MoEmbForEmbedding) -> MoEmbForEmbedding:
         if options.smoes is not None:
             if options.lora.train_router is not False:  # the SMoES losses train the routers
                 model.config.router_trainable = True
             enable_smoes(model, options.smoes)
+        return model
+
+    def with_lora(model: MoEmbForEmbedding) -> MoEmbLoraModel:
+        if model.config.pooling == "emb_token" and model.config.emb_token_id is None:
+            raise ValueError(f"{model_dir} has no emb_token_id in its config: convert or create it with moezoo first")
+        with_smoes(model)
+        # Under --ep the experts of `model` are split already, and a copy of them would dispatch its tokens to the
+        # originals (the token exchange is a closure over them): the distillation teacher is loaded whole instead.
+        teacher = None
+        if gates is not None and gates.recipe.distill and options.ep > 1:
+            teacher = with_smoes(MoEmbForEmbedding.from_pretrained(folder, dtype=model.dtype))
         # Before the adapters' random initialisation: the Trainer seeds only what comes after it.
         set_seed(options.seed)
         if gates is not None:
-            gates.add_gates(model)
+            gates.add_gates(model, teacher)
         peft_model = apply_lora(model, options.lora)
         return peft_model if gates is None else gates.set_trainable(peft_model)
 
-    # Under --fsdp / --ep the adapters are attached before the model is sharded (`adapted_sharding`).
+    # Under --fsdp / --ep the adapters are attached before the model is sharded (`adapted_sharding`). The layer-skip
+    # gates decide before their block's forward, where FSDP2 has not gathered their layer: they stay whole.
     load = partial(load_adapted_for_training, MoEmbForEmbedding, folder, with_lora, root_held=("model.visual",),
-                   dtype=torch.bfloat16 if options.bf16 else torch.float32)  # fmt: skip
+                   kept_whole=("skip_gate",), dtype=torch.bfloat16 if options.bf16 else torch.float32)  # fmt: skip
     peft_model = load(options.fsdp, options.ep, options.ep_implementation)
     model = peft_model.get_base_model()
     processor = MoEmbProcessor.from_pretrained(folder)

@@ -28,7 +28,7 @@ to the positive (the same target key) are neither negatives nor ranked above it.
 On several data-parallel processes (DDP: a distributed launch), the batch is the global batch, as the contrastive
 loss's is: the candidates are the teacher's embeddings of every process's inputs, the advantages and the logged
 metrics are computed from every process's rewards (TRL's gather, each process keeping its own inputs' advantages),
-and the rollouts' actions are drawn for the global batch, each process keeping its rows (`SharedDraws`). The policy
+and each input's rollouts draw the actions one process on the global batch would draw for it (`SharedDraws`). The policy
 gradient flows through each process's own log-probabilities and DDP averages it, so two processes at batch B train
 as one process at 2B. Updates are on-policy (one per rollout
 batch), so r_i = 1 up to rounding and the clipping is inactive; the clip ratios are logged under TRL's names anyway.
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -76,8 +77,11 @@ from ..processors.moemb import MoEmbProcessor
 from ..terminal import console
 from .arguments import TrainerOptions, checkpoint_to_resume, training_arguments
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from . import deepspeed_zero
+from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .plots import plot_log_history, save_figure
+from .sharded_checkpoints import ShardedCheckpointsMixin
 
 REWARD_GATE_MODES = ("efficiency_only", "all")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -334,11 +338,13 @@ def replay(
 # --- the trainer --------------------------------------------------------------------------------------------------
 
 
-class GatePolicyGRPOTrainer(LogsStepMeans, Trainer):
+class GatePolicyGRPOTrainer(LogsStepMeans, ShardedCheckpointsMixin, Trainer):
     """GRPO over the efficiency heads (see the module docstring), with a `trl.GRPOConfig` as `args` and the reward's
     options in `options`. A batch is `{"inputs": <the B queries then their B targets, processed as one batch>,
     "target_keys": (B,)}` (`GrpoCollator`); the model's parameters other than the efficiency heads must be frozen
     (`prepare_policy_model`)."""
+
+    zero3_refusal = deepspeed_zero.SKIPPED_MODULES.format(module="vision tower", inputs="an image")
 
     def __init__(self, *args, options: GrpoOptions, **kwargs):
         super().__init__(*args, **kwargs)
@@ -453,10 +459,20 @@ def prepare_policy_model(model: MoEmbForEmbedding) -> list[torch.nn.Module]:
     return heads
 
 
-def load_policy_model(folder: str | Path) -> MoEmbForEmbedding:
-    """The MoEMB model of `folder` with efficiency heads: its own if it has them (a GRPO run continued), else new
-    ones with GRPO's initialisation (W = 0, bias (0, −2.5, −4): spec A-28); the backbone frozen."""
-    model = MoEmbForEmbedding.from_pretrained(folder)
+def load_policy_model(folder: str | Path, fsdp: int = 1, ep: int = 1,
+                      ep_implementation: str = "auto") -> MoEmbForEmbedding:  # fmt: skip
+    """The MoEMB model of `folder` with efficiency heads (`with_policy_heads`), sharded as `--fsdp` / `--ep` ask:
+    the heads are added to the model loaded whole, then the frozen backbone is sharded (`adapted_sharding`). The
+    heads stay whole on every process: the loss reaches them through the gates' record, not through the output of
+    the FSDP2 unit that holds them, so FSDP2 would not reduce their gradients; the Trainer averages them instead.
+    The vision tower runs on the batches that hold images only: it is left to the root unit."""
+    return load_adapted_for_training(MoEmbForEmbedding, folder, with_policy_heads, fsdp, ep, ep_implementation,
+                                     root_held=("model.visual",), kept_whole=("efficiency_head",))  # fmt: skip
+
+
+def with_policy_heads(model: MoEmbForEmbedding) -> MoEmbForEmbedding:
+    """`model` with efficiency heads: its own if it has them (a GRPO run continued), else new ones with GRPO's
+    initialisation (W = 0, bias (0, −2.5, −4): spec A-28); the backbone frozen."""
     config = model.config
     gates = config.gate_modules()
     if gates.efficiency_head is None:
@@ -490,7 +506,7 @@ def train_moemb_grpo(
     dataset = load_mmeb_dataset(data, image_root)
     check_enough_examples(len(dataset), options.batch_size)
     set_seed(options.seed)
-    model = load_policy_model(folder)
+    model = load_policy_model(folder, options.fsdp, options.ep, options.ep_implementation)
     processor = MoEmbProcessor.from_pretrained(folder)
     collator = GrpoCollator(processor, options.max_length)
 
@@ -502,6 +518,8 @@ def train_moemb_grpo(
                                         callbacks=[LogAtCheckpointsAndEnd()], options=options)  # fmt: skip
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
+        if options.fsdp > 1 or options.ep > 1:
+            model = unsharded_copy(model, partial(load_policy_model, folder))
         model.config.adaptive = (model.config.adaptive or {}) | {"efficiency_policy": "greedy"}
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
@@ -597,8 +615,8 @@ def run_grpo(args) -> int:
     from ..terminal import print_table
     from .arguments import trainer_options
 
-    given = {"--chunk-size": args.chunk_size is not None, "--negatives": args.negatives, "--fsdp": args.fsdp != 1,
-             "--ep": args.ep != 1, "--adaptive-recipe": getattr(args, "adaptive_recipe", None) is not None}
+    given = {"--chunk-size": args.chunk_size is not None, "--negatives": args.negatives,
+             "--adaptive-recipe": getattr(args, "adaptive_recipe", None) is not None}
     misplaced = [flag for flag, present in given.items() if present]
     if misplaced:
         raise ValueError(f"{', '.join(misplaced)} do not apply to --grpo, which embeds a batch at once on each "
