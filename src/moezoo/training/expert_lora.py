@@ -139,16 +139,10 @@ def load_expert_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], alp
             f"the saved expert adapters ({len(saved)}) are not those of the model ({len(adapters)}): the adapter was "
             "trained with other expert LoRA options or on another model"
         )
-    experts = fused_experts(model)
     for key in saved:
         if key not in adapters:
-            module_name, name = key.rsplit(".", 1)
-            module = experts.get(module_name)
-            if module is None or name not in adapted_weights(module):
-                raise ValueError(f"the saved expert adapter {key} names no expert weight of this model")
             groups, rank, _ = tensors[f"{key}.lora_A"].shape
-            adapters[key] = GroupedExpertLoRA(getattr(module, name), rank, alpha, groups)
-            parametrize.register_parametrization(module, name, adapters[key])
+            adapters |= add_expert_adapters(model, rank, alpha, groups, weights=[key])
         adapters[key].load_state_dict({"lora_A": tensors[f"{key}.lora_A"], "lora_B": tensors[f"{key}.lora_B"]})
         adapters[key].requires_grad_(trainable)
 

@@ -548,9 +548,8 @@ def train_mote(
         trainer.train(resume_from_checkpoint=checkpoint)
         if adapt is not None and options.fsdp > 1:  # sharded after adapting: gathered into an unsharded copy
             trained = unsharded_copy(trained, lambda: load()[0])
-            model = trained.get_base_model() if isinstance(trained, MoteLoraModel) else trained
-        if isinstance(trained, MoteLoraModel):  # merged into the attention weights
-            model = trained.merge_and_unload()
+        # LoRA: merged into the attention weights
+        model = trained.merge_and_unload() if isinstance(trained, MoteLoraModel) else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 

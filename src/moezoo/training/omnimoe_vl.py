@@ -438,9 +438,7 @@ def train_omnimoe_vl(
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
             trained = unsharded_copy(trained, lambda: load_omnimoe_vl_model(model_dir, adapt=adapt)[0])
-            model = trained.get_base_model() if options.lora_r else trained
-        if options.lora_r:
-            model = merge_lora(trained)
+        model = merge_lora(trained) if options.lora_r else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
 

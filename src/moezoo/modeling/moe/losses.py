@@ -11,6 +11,7 @@ import torch
 
 from .balancing import number_of_processes, sum_over_processes
 
+
 def load_balancing_loss(
     router_logits: Sequence[torch.Tensor | None],
     num_experts: int,

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..balancing import sum_over_processes
 from ..losses import _routing_probabilities
 from .bins import soft_dispatch_counts
 from .losses import bin_balance_loss, inter_bin_mutual_information
 from .schedules import mi_coefficient, rebins_after
-from ..balancing import sum_over_processes
 from .state import SmoesLayerState, SmoesRuntime
 
 
