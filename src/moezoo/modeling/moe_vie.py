@@ -43,6 +43,7 @@ from .moe.experts import SwiGLUMLP
 from .moe.initialization import init_moe_module
 from .moe.losses import load_balancing_loss, router_z_loss
 from .moe.pretrained import MoePreTrainedMixin, WithoutFusedExpertsMixin, checkpoints_reentrantly
+from .moe.precision import autocast_off
 from .moe.router import TopKRouter
 from .moe.spec import MoeLayerSpec
 
@@ -698,13 +699,15 @@ class MoeVieModel(MoePreTrainedMixin, MoeViePreTrainedModel):
 
     def contrastive_logits(self, image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
         """`logits_per_text (texts, images)` of normalised embeddings: cosine similarity times the (clamped)
-        inverse temperature, plus the sigmoid loss's bias."""
-        logit_scale = self.logit_scale
+        inverse temperature, plus the sigmoid loss's bias. fp32 whatever the model dtype or autocast (`autocast_off`):
+        at a logit scale of 100, bf16's rounding of the similarities would be ~0.4 logits."""
+        logit_scale = self.logit_scale.float()
         if self.config.max_logit_scale is not None:
             logit_scale = logit_scale.clamp(max=self.config.max_logit_scale)
-        logits_per_text = text_embeds @ image_embeds.t().to(text_embeds.device) * logit_scale.exp()
+        with autocast_off(text_embeds):
+            logits_per_text = text_embeds.float() @ image_embeds.float().t().to(text_embeds.device) * logit_scale.exp()
         if self.logit_bias is not None:
-            logits_per_text = logits_per_text + self.logit_bias
+            logits_per_text = logits_per_text + self.logit_bias.float()
         return logits_per_text
 
     @can_return_tuple

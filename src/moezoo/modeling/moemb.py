@@ -55,6 +55,7 @@ from ..configuration.moemb_adaptive import AdaptiveSettings, check_adaptive_sett
 from ..configuration.smoes_settings import SmoesSettings
 from .moe.block import SparseMoeBlock
 from .moe.initialization import init_moe_module
+from .moe.precision import scaled_similarities
 from .moe.pretrained import MoePreTrainedMixin
 from .moe.smoes.host import HostLayer, SmoesHost, smoes_outputs, smoes_recording, token_modality
 from .moe.statistics import record_routing
@@ -883,5 +884,7 @@ class MoEmbForEmbedding(MoEmbPreTrainedModel):
 
     def contrastive_logits(self, query_embeddings: torch.Tensor, target_embeddings: torch.Tensor) -> torch.Tensor:
         """`(queries, targets)` scaled cosine similarities `logit_scale * q . t` of normalised embeddings: the logits
-        of the one-directional InfoNCE loss, whose labels are the matching targets (spec §2.3)."""
-        return self.config.logit_scale * query_embeddings @ target_embeddings.t().to(query_embeddings.device)
+        of the one-directional InfoNCE loss, whose labels are the matching targets (spec §2.3). fp32 whatever the
+        model dtype or autocast (`scaled_similarities`)."""
+        targets = target_embeddings.to(query_embeddings.device)
+        return scaled_similarities(query_embeddings, targets, self.config.logit_scale)

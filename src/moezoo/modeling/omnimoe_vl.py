@@ -370,8 +370,9 @@ class OmniMoeVlPreTrainedModel(MoePreTrainedMixin, PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = False  # routing is data-dependent
-    # The usage EMA of exploration must stay fp32 under any load dtype (spec §9.5).
-    _keep_in_fp32_modules_strict = ["depth_router"]
+    # The usage EMA of exploration must stay fp32 under any load dtype (spec §9.5). Named alone: transformers casts
+    # every tensor whose name matches to fp32, and "depth_router" would turn the int64 routing_step into a float.
+    _keep_in_fp32_modules_strict = ["depth_usage_ema"]
 
     def _init_weights(self, module):
         """Spec §5.2. The towers initialise their own modules (SigLIP's and Qwen3-MoE's schemes); Linear and LayerNorm

@@ -9,7 +9,8 @@
     RoutedInjection.apply(layer, h): h + eta * w_s * G_l T_s h before the anchor layer a(s)        Eq. 11, 17
 
 The projector attention has no positional encoding: the route is invariant to the order of the prompt tokens and to
-padding (spec §9.3). Routing math (softmaxes, top-k, prior, usage statistics) runs in fp32 whatever the model dtype.
+padding (spec §9.3). Routing math (softmaxes, top-k, prior, usage statistics, fusion alignment, diversity terms) runs
+in fp32 whatever the model dtype, also under autocast (`autocast_off`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transformers.utils import ModelOutput
 
 from ..configuration.omnimoe_vl import OmniMoeVlConfig
 from .moe.balancing import sum_over_processes
+from .moe.precision import autocast_off
 from .moe.router import is_recomputing
 
 
@@ -65,7 +67,8 @@ def depth_prior(usage: torch.Tensor, alpha: float, kernel_width: float) -> torch
     """Eq. 7's proximal prior p_bar = K (c + alpha) / 1^T K (c + alpha), with K_ij = exp(-(i - j)^2 / gamma)."""
     depths = torch.arange(usage.shape[-1], dtype=torch.float32, device=usage.device)
     kernel = torch.exp(-(depths[:, None] - depths[None, :]).square() / kernel_width)
-    smoothed = kernel @ (usage.float() + alpha)
+    with autocast_off(usage):
+        smoothed = kernel @ (usage.float() + alpha)
     return smoothed / smoothed.sum()
 
 
@@ -102,7 +105,8 @@ def mean_squared_cosine(vectors: torch.Tensor) -> torch.Tensor:
     if count < 2:
         return vectors.new_zeros((), dtype=torch.float32)
     unit = F.normalize(vectors.float(), dim=-1)
-    squared = (unit @ unit.transpose(1, 2)).square()  # (B, M, M)
+    with autocast_off(unit):
+        squared = (unit @ unit.transpose(1, 2)).square()  # (B, M, M)
     off_diagonal = squared.sum(dim=(1, 2)) - squared.diagonal(dim1=1, dim2=2).sum(dim=-1)
     return (off_diagonal / (count * (count - 1))).mean()
 
@@ -547,7 +551,8 @@ class OmniMoeVlProjector(nn.Module):
         group_sums = group_sums.index_add_(2, group_of_patch, streams)
         group_means = F.normalize(group_sums.float(), dim=-1)  # the mean's direction: the count cancels
         summary = F.normalize(router_queries.float().mean(dim=1), dim=-1)  # t_bar (B, d)
-        alignment = torch.einsum("bsgd,bd->bgs", group_means, summary)  # c_{b,s} in [-1, 1]
+        with autocast_off(summary):
+            alignment = torch.einsum("bsgd,bd->bgs", group_means, summary)  # c_{b,s} in [-1, 1]
         prior = torch.log(route.float().clamp(min=config.fusion_log_floor))[:, None, :]
         weights = top_k_softmax(alignment / config.fusion_temperature + prior, config.fusion_top_k)  # (B, G, S)
         per_patch = weights[:, group_of_patch].to(streams.dtype)  # (B, N, S)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .precision import autocast_off
 from .spec import MoeLayerSpec
 
 
@@ -69,6 +70,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, H) -> router_logits (T, E) fp32, top_k_weights (T, k) in the input dtype, top_k_index (T, k)."""
+        with autocast_off(hidden_states):
+            return self._route(hidden_states)
+
+    def _route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(
             hidden_states.float(), self.weight.float(), None if self.bias is None else self.bias.float()
         )

@@ -6,6 +6,8 @@ Each mixin is placed before the transformers class it extends and changes no for
 
 - `SmoesSparseMoeBlockMixin`: the sparse block whose `smoes` child holds the layer's buffers; in a training forward it
   records the soft modality scores of its router input;
+- `Fp32RouterMixin`: the block's router, whose logits stay fp32 under autocast (the only change, and none without
+  autocast);
 - `SmoesDecoderLayerMixin`: the decoder layer, which hands its input x^(l) to the runtime (the attention estimator
   weighs the residual branch by its norm);
 - `SmoesTextModelMixin`: the text model built from the host's SMoES decoder layers sharing one `SmoesRuntime`, with
@@ -29,9 +31,22 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
+from ..moe.precision import autocast_off
 from ..moe.smoes.host import check_smoes_training, token_modality
 from ..moe.smoes.regularizer import apply_smoes
 from ..moe.smoes.state import SmoesLayerState, SmoesRuntime
+
+
+class Fp32RouterMixin:
+    """A transformers top-k router (`weight`; forward returns logits, top-k weights and indices) whose logits stay
+    fp32 under autocast, where its `F.linear` would run in bf16: the SMoES losses and the balancing loss read them.
+    Without autocast it is transformers' router, unchanged (its input already has the weight's dtype)."""
+
+    weight: nn.Parameter
+
+    def forward(self, hidden_states: torch.Tensor):
+        with autocast_off(hidden_states):
+            return super().forward(hidden_states.to(self.weight.dtype))
 
 
 class SmoesSparseMoeBlockMixin:
@@ -39,13 +54,16 @@ class SmoesSparseMoeBlockMixin:
     buffers. In a training forward it records the soft modality scores of its router input before running unchanged.
 
     `experts_class` is the host's experts class, declared in the host's own file with `@use_experts_implementation`
-    (transformers lets a model switch its experts implementation only when its modeling file carries the decorator).
+    (transformers lets a model switch its experts implementation only when its modeling file carries the decorator);
+    `router_class` the host's router with `Fp32RouterMixin`.
     """
 
     experts_class: type[nn.Module]
+    router_class: type[nn.Module]
 
     def __init__(self, config, runtime: SmoesRuntime):
         super().__init__(config)
+        self.gate = self.router_class(config)
         self.experts = self.experts_class(config)
         self.smoes = SmoesLayerState(config.hidden_size, config.num_experts, config.smoes_num_bins)
         self.smoes_runtime = runtime

@@ -37,6 +37,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeSparseMoeBlock,
     Qwen3_5MoeTextModel,
     Qwen3_5MoeTextRotaryEmbedding,
+    Qwen3_5MoeTopKRouter,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
@@ -45,6 +46,7 @@ from transformers.processing_utils import Unpack
 from ...configuration.smoes import SmoesQwen3_5MoeConfig, SmoesQwen3_5MoeTextConfig
 from ..moe.smoes.state import SmoesRuntime
 from .common import (
+    Fp32RouterMixin,
     SmoesCausalLMOutputWithPast,
     SmoesDecoderLayerMixin,
     SmoesForConditionalGenerationMixin,
@@ -67,11 +69,16 @@ class SmoesQwen3_5MoeExperts(Qwen3_5MoeExperts):
     experts implementation (`experts_implementation=`) only when the model's own file carries the decorator."""
 
 
+class SmoesQwen3_5MoeTopKRouter(Fp32RouterMixin, Qwen3_5MoeTopKRouter):
+    """transformers' router, its logits fp32 under autocast (`Fp32RouterMixin`)."""
+
+
 class SmoesQwen3_5MoeSparseMoeBlock(SmoesSparseMoeBlockMixin, Qwen3_5MoeSparseMoeBlock):
     """The Qwen3.5-MoE sparse block (with its gated shared expert), whose `smoes` child keeps the layer's SMoES
     buffers. In a training forward it records the soft modality scores of its router input before running unchanged."""
 
     experts_class = SmoesQwen3_5MoeExperts
+    router_class = SmoesQwen3_5MoeTopKRouter
 
 
 class SmoesQwen3_5MoeAttention(Qwen3_5MoeAttention):

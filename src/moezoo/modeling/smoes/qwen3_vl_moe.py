@@ -41,6 +41,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
     Qwen3VLMoeTextRMSNorm,
     Qwen3VLMoeTextRotaryEmbedding,
     Qwen3VLMoeTextSparseMoeBlock,
+    Qwen3VLMoeTextTopKRouter,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
@@ -49,6 +50,7 @@ from transformers.processing_utils import Unpack
 from ...configuration.smoes import SmoesQwen3VLMoeConfig, SmoesQwen3VLMoeTextConfig
 from ..moe.smoes.state import SmoesRuntime
 from .common import (
+    Fp32RouterMixin,
     SmoesCausalLMOutputWithPast,
     SmoesDecoderLayerMixin,
     SmoesForConditionalGenerationMixin,
@@ -72,11 +74,16 @@ class SmoesQwen3VLMoeTextExperts(Qwen3VLMoeTextExperts):
     experts implementation (`experts_implementation=`) only when the model's own file carries the decorator."""
 
 
+class SmoesQwen3VLMoeTextTopKRouter(Fp32RouterMixin, Qwen3VLMoeTextTopKRouter):
+    """transformers' router, its logits fp32 under autocast (`Fp32RouterMixin`)."""
+
+
 class SmoesQwen3VLMoeTextSparseMoeBlock(SmoesSparseMoeBlockMixin, Qwen3VLMoeTextSparseMoeBlock):
     """The Qwen3-VL-MoE sparse block (no shared expert), whose `smoes` child keeps the layer's SMoES buffers. In a
     training forward it records the soft modality scores of its router input before running unchanged."""
 
     experts_class = SmoesQwen3VLMoeTextExperts
+    router_class = SmoesQwen3VLMoeTextTopKRouter
 
 
 class SmoesQwen3VLMoeTextAttention(Qwen3VLMoeTextAttention):

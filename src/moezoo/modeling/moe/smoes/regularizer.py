@@ -15,6 +15,7 @@ import torch
 
 from ..balancing import sum_over_processes
 from ..losses import _routing_probabilities
+from ..precision import autocast_off
 from .bins import soft_dispatch_counts
 from .losses import bin_balance_loss, inter_bin_mutual_information
 from .schedules import mi_coefficient, rebins_after
@@ -78,21 +79,23 @@ def apply_smoes(
     current_step = int(step)
     mi_coef = mi_coefficient(config.smoes_mi_coef, config.smoes_mi_warmup_steps, current_step)
     balance_terms, mi_terms, selections = [], [], []
-    for position, (state, logits) in enumerate(zip(states, router_logits)):
-        gates = _routing_probabilities(per_token_rows(logits, valid).float(), router_type)  # (B, T, E)
-        if top_k_indices is None:
-            selected = gates.topk(config.num_experts_per_tok, dim=-1).indices
-        else:
-            selected = per_token_rows(top_k_indices[position], valid)
-        selections.append(selected)
-        balance_terms.append(
-            bin_balance_loss(gates, selected, state.bins, state.num_bins, valid, mode=config.smoes_bal_mode)
-        )
-        information = inter_bin_mutual_information(
-            gates, runtime.layer_scores[state], state.bins, state.num_bins, valid,
-            min_modality_mass=config.smoes_mi_min_modality_mass,
-        )
-        mi_terms.append(information.mean())
+    # fp32 gates and fp32 sums: under autocast the einsums of the terms would otherwise run in bf16.
+    with autocast_off(valid):
+        for position, (state, logits) in enumerate(zip(states, router_logits)):
+            gates = _routing_probabilities(per_token_rows(logits, valid).float(), router_type)  # (B, T, E)
+            if top_k_indices is None:
+                selected = gates.topk(config.num_experts_per_tok, dim=-1).indices
+            else:
+                selected = per_token_rows(top_k_indices[position], valid)
+            selections.append(selected)
+            balance_terms.append(
+                bin_balance_loss(gates, selected, state.bins, state.num_bins, valid, mode=config.smoes_bal_mode)
+            )
+            information = inter_bin_mutual_information(
+                gates, runtime.layer_scores[state], state.bins, state.num_bins, valid,
+                min_modality_mass=config.smoes_mi_min_modality_mass,
+            )
+            mi_terms.append(information.mean())
     reduce = torch.sum if config.smoes_layer_reduction == "sum" else torch.mean
     balance_loss = reduce(torch.stack(balance_terms))
     mi_loss = -reduce(torch.stack(mi_terms))

@@ -54,10 +54,12 @@ class SmoesLayerState(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, num_bins: int):
         super().__init__()
         self.num_bins = num_bins
-        self.register_buffer("gauss_mean", torch.zeros(NUM_MODALITIES, hidden_size))
-        self.register_buffer("gauss_var", torch.ones(NUM_MODALITIES, hidden_size))
+        # fp32 explicitly: `from_pretrained(dtype=torch.bfloat16)` builds the model under that default dtype, and loads
+        # each buffer in the dtype it was built in.
+        self.register_buffer("gauss_mean", torch.zeros(NUM_MODALITIES, hidden_size, dtype=torch.float32))
+        self.register_buffer("gauss_var", torch.ones(NUM_MODALITIES, hidden_size, dtype=torch.float32))
         self.register_buffer("gauss_initialized", torch.zeros(NUM_MODALITIES, dtype=torch.bool))
-        self.register_buffer("expert_counts_ema", torch.zeros(NUM_MODALITIES, num_experts))
+        self.register_buffer("expert_counts_ema", torch.zeros(NUM_MODALITIES, num_experts, dtype=torch.float32))
         self.register_buffer("bins", contiguous_bins(num_experts, num_bins))
 
     def init_buffers(self) -> None:

@@ -1,0 +1,25 @@
+"""The fp32 islands of mixed-precision training. Under the Trainer's bf16/fp16 autocast a matmul runs in the low
+precision whatever its inputs' dtype (`torch.autocast` casts them), so `.float()` alone does not keep the math whose
+numerics need fp32 (router logits and softmax, balancing statistics, routing terms, contrastive logits) in fp32:
+it runs inside `autocast_off`, on `.float()` inputs. Without autocast and on fp32 inputs both change nothing."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+
+def autocast_off(tensor: torch.Tensor) -> AbstractContextManager:
+    """Autocast disabled on `tensor`'s device (a no-op on devices without autocast, such as "meta")."""
+    device_type = tensor.device.type
+    if not torch.amp.is_autocast_available(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def scaled_similarities(queries: torch.Tensor, keys: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`(scale * queries) @ keys.T` (Q, K) in fp32 whatever the inputs' dtype or autocast: contrastive logits, where
+    a logit scale of 50-100 would turn bf16's rounding of the similarities (~4e-3) into a fraction of a logit."""
+    with autocast_off(queries):
+        return (scale * queries.float()) @ keys.float().t()
