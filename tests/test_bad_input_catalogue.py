@@ -134,6 +134,23 @@ CASES = [
          r"notes\.txt: expected .*jsonl"),
     Case("train-moe-vie-hub-data-unreachable", "train moe_vie --model {vie} --data org/data --out out",
          unreachable("the data set org/data") + ".*--repo-type dataset", hub="unreachable"),
+    # train: the Trainer's arguments (moezoo.training.arguments), refused before anything is read
+    Case("train-bf16-with-fp16", f"{TRAIN_VIE} {{vie}} --bf16 --fp16", r"--bf16 and --fp16 exclude each other"),
+    Case("train-best-model-without-evaluation", f"{TRAIN_VIE} {{vie}} --load_best_model_at_end",
+         r"--load_best_model_at_end needs evaluation while training \(--eval_strategy\)"),
+    Case("train-evaluation-not-yet", f"{TRAIN_MOTE} {{glm}} --eval_strategy steps",
+         r"--eval_strategy steps: moezoo's train commands do not evaluate while training yet"),
+    Case("train-unknown-tracker", f"{TRAIN_MOTE} {{glm}} --report_to tensorbord",
+         r"--report_to tensorbord: not a tracker transformers knows \(did you mean tensorboard\?\)"),
+    Case("train-config-unknown-key", f"{TRAIN_VIE} {{vie}} --config {{bad_config}}",
+         r"run\.yaml: unknown key 'learning_rat' \(did you mean 'learning_rate'\?\)"),
+    Case("train-unknown-flag", f"{TRAIN_VIE} {{vie}} --learning_rat 0.1", r"unrecognized arguments: --learning_rat"),
+    Case("train-field-moezoo-sets", f"{TRAIN_VIE} {{vie}} --output_dir elsewhere",
+         r"--output_dir cannot be set here: the Trainer's checkpoints go to OUT\.checkpoints"),
+    Case("train-grpo-text-generation-field", f"{TRAIN_MOEMB} {{moemb}} --grpo --use_vllm",
+         r"--use_vllm cannot be set here: it is for generating text"),
+    Case("train-grpo-field-without-grpo", f"{TRAIN_MOEMB} {{moemb}} --temperature 0.5",
+         r"--temperature is not one of TrainingArguments's fields"),
     # train moemb
     Case("train-moemb-missing-model", f"{TRAIN_MOEMB} ./nope", r"the model \./nope does not exist"),
     Case("train-moemb-wrong-architecture", f"{TRAIN_MOEMB} {{vie}}", r"holds a MoE-ViE model .*takes MoEMB models"),
@@ -216,6 +233,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     paths["empty_table"].write_text("")
     paths["notes"] = root / "notes.txt"
     paths["notes"].write_text("a photo of red\n")
+    paths["bad_config"] = root / "run.yaml"
+    paths["bad_config"].write_text("learning_rat: 0.1\n")
     return paths
 
 

@@ -348,13 +348,13 @@ EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie", "moemb": "moezoo.evaluatio
               "omnimoe_vl": "moezoo.evaluation.omnimoe_vl"}
 
 
-def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run) -> None:
+def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run, parse=None) -> None:
     parser = _command(commands, name, help, examples)
     parser.add_argument("architecture", choices=sorted(modules))
     parser.add_argument("options", nargs=argparse.REMAINDER, help=f"see `moezoo {name} ARCH --help`")
     parser.set_defaults(
         run=lambda args: _run_module_command(f"{name} {args.architecture}", modules[args.architecture],
-                                             add_arguments, run, args.options)
+                                             add_arguments, run, args.options, parse)
     )
 
 
@@ -365,14 +365,23 @@ def _add_module_subcommand(subcommands, name, help, module, add_arguments, run, 
     parser.set_defaults(run=lambda args: _run_module_command(prog, module, add_arguments, run, args.options))
 
 
-def _run_module_command(prog, module_name, add_arguments, run, options) -> int:
+def _run_module_command(prog, module_name, add_arguments, run, options, parse=None) -> int:
+    """Runs `module.run(args)`, `args` parsed by `parse(parser, options)` (default: argparse's) from the options
+    `module.add_arguments(parser)` declares."""
     import importlib
 
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"moezoo {prog}", description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     getattr(module, add_arguments)(parser)
-    return getattr(module, run)(parser.parse_args(options))
+    return getattr(module, run)(parser.parse_args(options) if parse is None else parse(parser, options))
+
+
+def _parse_train_options(parser, options):
+    """A train command's options, with its `--config FILE` (imported here: training code pulls in the Trainer)."""
+    from .training.arguments import parse_train_arguments
+
+    return parse_train_arguments(parser, options)
 
 
 def _add_train(commands) -> None:
@@ -383,8 +392,9 @@ def _add_train(commands) -> None:
         """
         moezoo train moe_vie --model tiny-moe-vie --data captions.jsonl --out trained --steps 500
         moezoo train moe_vie --model trained --data clips.jsonl --out video --video --num-frames 8
+        moezoo train moemb --model tiny-moemb --data pairs.jsonl --out trained --config run.yaml --bf16
         """,
-        TRAINERS, "add_train_arguments", "run_train",
+        TRAINERS, "add_train_arguments", "run_train", _parse_train_options,
     )
 
 

@@ -5,18 +5,25 @@ parameters trained beside the adapters), and the loss summary of a run's logs.""
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import difflib
+import json
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar, get_type_hints
 
 import torch
 from peft import PeftModel
 from rich.markup import escape
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import TrainingArguments
+from transformers import HfArgumentParser, TrainingArguments
 from transformers.distributed.expert_parallel import EPImplementationInterface
+from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..hub.folders import atomic_output_dir
@@ -82,15 +89,20 @@ def training_output_dir(out: str | Path, overwrite: bool = False):
     shutil.rmtree(checkpoints, ignore_errors=True)
 
 
-def training_arguments(out: str | Path, options, **overrides) -> TrainingArguments:
+def training_arguments(out: str | Path, options, fixed: dict | None = None, **defaults) -> TrainingArguments:
     """
-    Trainer arguments for a run writing `out`, from a command's options (`steps`, `batch_size`,
-    `gradient_accumulation_steps`, `gradient_checkpointing`, `learning_rate`, `weight_decay`, `warmup_steps`,
-    `logging_steps`, `save_steps`, `seed`, `deepspeed`): a cosine schedule, a checkpoint in `checkpoints_dir(out)`
-    every `save_steps` optimizer steps (none for 0; only the latest is kept, all resuming needs), no reporting (the
-    commands save the model themselves), every data column kept for the collators, the GPU when there is one, the
-    DeepSpeed config `deepspeed` names (`deepspeed_zero.training_config`). `overrides` change or add any argument.
+    The Trainer arguments (`options.arguments_class`) of a run writing `out`, from a command's options: the zoo's
+    (`options.steps`, `batch_size`, `learning_rate`, ... and a checkpoint in `checkpoints_dir(out)` every `save_steps`
+    optimizer steps, none for 0, only the latest kept, all resuming needs; every data column kept for the collators;
+    the GPU when there is one; the DeepSpeed config `deepspeed` names, `deepspeed_zero.training_config`), then the
+    recipe's `defaults` (a cosine schedule and no reporting unless given), then the user's `options.training_args`,
+    then what the recipe `fixed` itself (declared in its options' `recipe_fields`, so never among the user's).
     """
+    return options.arguments_class(**trainer_arguments(out, options, fixed, **defaults))
+
+
+def trainer_arguments(out: str | Path, options, fixed: dict | None = None, **defaults) -> dict:
+    """`training_arguments` as keyword arguments."""
     if options.save_steps:
         checkpoints = dict(save_strategy="steps", save_steps=options.save_steps, save_total_limit=1)
     else:
@@ -104,17 +116,19 @@ def training_arguments(out: str | Path, options, **overrides) -> TrainingArgumen
         learning_rate=options.learning_rate,
         weight_decay=options.weight_decay,
         warmup_steps=options.warmup_steps,
-        lr_scheduler_type="cosine",
         logging_steps=min(options.logging_steps, options.steps),
         **checkpoints,
-        report_to="none",
         seed=options.seed,
         remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
     )
     if options.deepspeed is not None:
         arguments["deepspeed"] = deepspeed_zero.training_config(options.deepspeed)
-    return TrainingArguments(**(arguments | overrides))
+    user = dict(options.training_args)
+    if "report_to" in user:
+        user["report_to"] = trackers(user["report_to"])
+    recipe = dict(lr_scheduler_type="cosine", report_to="none") | defaults
+    return arguments | recipe | user | (fixed or {})
 
 
 class PeftModelWithTrainedBase(PeftModel):
@@ -171,10 +185,110 @@ def loss_summary(log_history: list[dict]) -> dict[str, float]:
     }
 
 
+# --- the Trainer's arguments on the command line -------------------------------------------------------------------
+
+# TrainingArguments fields that moezoo sets on every train command, and why: a value given for one is refused.
+ZOO_FIELDS = {
+    "output_dir": "the Trainer's checkpoints go to OUT.checkpoints, beside --out, where the model is saved",
+    "resume_from_checkpoint": "--resume continues from the latest checkpoint in OUT.checkpoints",
+    "save_strategy": "--save_steps N writes a checkpoint every N steps to OUT.checkpoints (0: none)",
+    "save_total_limit": "only the latest checkpoint is kept, all --resume needs",
+    "num_train_epochs": "runs are counted in optimizer steps: --max_steps (--steps)",
+    "remove_unused_columns": "the zoo's collators read every column of the data",
+    "use_cpu": "training runs on the GPU when there is one, on the CPU otherwise",
+    "fsdp": "shard with the zoo's --fsdp N / --ep N (transformers' native FSDP2)",
+    "fsdp_config": "shard with the zoo's --fsdp N / --ep N (transformers' native FSDP2)",
+    "deepspeed": "name a DeepSpeed config file or preset with the zoo's --deepspeed",
+}
+# TrainingArguments fields that are not flags: the zoo's own flags of the same name mean something else.
+NOT_FLAGS = ("fsdp", "deepspeed")
+# TrainingArguments fields that an options dataclass holds under another name.
+RENAMED = {"max_steps": "steps", "per_device_train_batch_size": "batch_size", "num_generations": "rollouts"}
+# Today's flags that name a field of the Trainer's arguments otherwise: aliases. (The fields' dashed spellings, like
+# --weight-decay or --save-steps, are flags of HfArgumentParser's own.)
+ALIASES = {"--steps": "max_steps", "--batch-size": "per_device_train_batch_size", "--lr": "learning_rate"}
+
+
+def trackers(report_to: str | list[str]) -> list[str]:
+    """`report_to` as a list: a comma-separated string on the command line (`--report_to tensorboard,trackio`)."""
+    return report_to.split(",") if isinstance(report_to, str) else list(report_to)
+
+
+def mirrored_fields(options_class) -> dict[str, str]:
+    """The fields of `options_class.arguments_class` that `options_class` holds itself (`max_steps` as `steps`,
+    `learning_rate`, ...): Trainer argument name -> option name."""
+    options = {field.name for field in dataclasses.fields(options_class)}
+    return {
+        name: RENAMED.get(name, name)
+        for name in (field.name for field in dataclasses.fields(options_class.arguments_class) if field.init)
+        if RENAMED.get(name, name) in options and name not in NOT_FLAGS
+    }
+
+
+def check_training_args(options) -> None:
+    """
+    Refuses, in one line naming the flag, each Trainer argument of `options.training_args` that the recipe cannot
+    honour: one moezoo sets itself (`ZOO_FIELDS`) or the recipe does (`recipe_fields`), one that is not a field of its
+    arguments class, and the combinations that would fail or mislead only once the model is loaded.
+    """
+    cls = type(options)
+    valid = {field.name for field in dataclasses.fields(cls.arguments_class) if field.init}
+    mirrored = mirrored_fields(cls)
+    for name in options.training_args:
+        if name in mirrored:
+            raise ValueError(f"--{name}: it is {cls.__name__}.{mirrored[name]}, not one of its training_args")
+        reason = cls.recipe_fields.get(name, ZOO_FIELDS.get(name))
+        if reason is not None:
+            raise ValueError(f"--{name} cannot be set here: {reason}")
+        if name not in valid:
+            close = difflib.get_close_matches(name, sorted(valid), n=1)
+            raise ValueError(f"--{name} is not one of {cls.arguments_class.__name__}'s fields"
+                             + (f" (did you mean --{close[0]}?)" if close else ""))  # fmt: skip
+    given = {name: getattr(options, option) for name, option in mirrored.items()} | options.training_args
+    if given.get("bf16") and given.get("fp16"):
+        raise ValueError("--bf16 and --fp16 exclude each other: choose one mixed precision")
+    if given.get("fp16") and not torch.cuda.is_available():
+        raise ValueError("--fp16 needs a CUDA GPU, and this machine has none: --bf16 runs on the CPU too")
+    if given.get("eval_strategy", "no") != "no":
+        raise ValueError(f"--eval_strategy {given['eval_strategy']}: moezoo's train commands do not evaluate while "
+                         "training yet")  # fmt: skip
+    if given.get("load_best_model_at_end"):
+        raise ValueError("--load_best_model_at_end needs evaluation while training (--eval_strategy), which moezoo's "
+                         "train commands do not run yet")  # fmt: skip
+    if given.get("push_to_hub"):
+        raise ValueError("--push_to_hub would push the Trainer's checkpoints, without the model's code: export the "
+                         "trained folder with `moezoo export` and push it with `moezoo push`")  # fmt: skip
+    if "report_to" in given:
+        check_trackers(trackers(given["report_to"]))
+
+
+def check_trackers(names: list[str]) -> None:
+    """Refuses a `--report_to` name that transformers does not know, or whose package is not installed."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    known = ["all", "none", *INTEGRATION_TO_CALLBACK]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"--report_to {name}: not a tracker transformers knows"
+                             + (f" (did you mean {close[0]}?)" if close else f" ({', '.join(known)})"))  # fmt: skip
+    available = get_available_reporting_integrations()
+    missing = [name for name in names if name not in ("all", "none", *available)]
+    if missing:
+        raise ValueError(f"--report_to {','.join(missing)}: not installed here (installed trackers: "
+                         f"{', '.join(available) or 'none'})")  # fmt: skip
+
+
 @dataclass
 class TrainerOptions:
     """The options every train command takes (`add_trainer_arguments`); each architecture's options dataclass extends
-    it, redeclaring the defaults it changes."""
+    it, redeclaring the defaults it changes. `training_args` holds any other field of `arguments_class` by name (the
+    command line's `--bf16`, `--lr_scheduler_type`, `--max_grad_norm`, `--report_to`, ...), checked when the options
+    are made, before anything is loaded (`check_training_args`)."""
+
+    # The Trainer arguments the recipe builds (`training_arguments`), and the fields of them it sets itself, with why.
+    arguments_class: ClassVar[type] = TrainingArguments
+    recipe_fields: ClassVar[dict[str, str]] = {}
 
     steps: int = 200
     batch_size: int = 8
@@ -191,37 +305,73 @@ class TrainerOptions:
     ep: int = 1  # expert parallelism over this many processes
     ep_implementation: str = "auto"  # how tokens reach the experts under `ep` (transformers' EPImplementationInterface)
     deepspeed: str | None = None  # DeepSpeed ZeRO: a preset name or config file, see `moezoo.training.deepspeed_zero`
+    training_args: dict[str, Any] = field(default_factory=dict)  # other Trainer arguments by name
 
     def __post_init__(self):
         deepspeed_zero.check_deepspeed(self.deepspeed, self.fsdp, self.ep)
+        check_training_args(self)
 
 
-def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None) -> None:
-    """The Trainer options every train command takes, with the defaults of its options dataclass (`defaults`);
-    `helps` gives some of them a help text (keyed by option name without dashes, e.g. `"lr"`)."""
+def add_trainer_arguments(
+    parser: argparse.ArgumentParser, defaults, helps: dict[str, str] | None = None, arguments_class=None
+) -> None:
+    """
+    The options every train command takes: each field of `arguments_class` (default: that of `defaults`, an options
+    dataclass) as a flag of its own name, parsed as transformers' `HfArgumentParser` parses it (`--bf16`,
+    `--learning_rate`, `--lr_scheduler_type`, ...; the defaults of those the options hold are `defaults`'), today's
+    flag names as aliases, `--config FILE` (`parse_train_arguments`), and the zoo's own: `--resume`, `--fsdp`, `--ep`,
+    `--ep-implementation`, `--deepspeed`. `helps` gives some fields a help text (keyed by field name).
+    """
+    arguments_class = arguments_class or defaults.arguments_class
     helps = {
         "save_steps": "write a Trainer checkpoint to OUT.checkpoints every SAVE_STEPS optimizer steps (0: none); it "
                       "is deleted once OUT is written, and kept when the run fails or is interrupted, for --resume",
     } | (helps or {})  # fmt: skip
-    for flag, kind, default in (
-        ("--steps", int, defaults.steps),
-        ("--batch-size", int, defaults.batch_size),
-        ("--lr", float, defaults.learning_rate),
-        ("--weight-decay", float, defaults.weight_decay),
-        ("--warmup-steps", int, defaults.warmup_steps),
-        ("--gradient-accumulation-steps", int, defaults.gradient_accumulation_steps),
-        ("--seed", int, defaults.seed),
-        ("--logging-steps", int, defaults.logging_steps),
-        ("--save-steps", int, defaults.save_steps),
-    ):
-        parser.add_argument(flag, type=kind, default=default, help=helps.get(flag[2:].replace("-", "_")))
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    mirrored = mirrored_fields(type(defaults))
+    group = parser.add_argument_group(
+        f"the Trainer's arguments (transformers' {arguments_class.__name__}, one flag per field; not given, the "
+        "Trainer's default, or this command's where it says so)"
+    )
+    group.add_argument("--config", metavar="FILE",
+                       help="a YAML or JSON file of options by name (learning_rate: 1e-4, lora_r: 8, ...); the "
+                            "command line's flags override it")  # fmt: skip
+    hints = get_type_hints(arguments_class)
+    names = []
+    for declared in dataclasses.fields(arguments_class):
+        name = declared.name
+        if not declared.init or name in NOT_FLAGS:
+            continue
+        flag = copy.copy(declared)  # HfArgumentParser rewrites its type: not the class's own field
+        flag.type = hints[name]
+        help_text = helps.get(name, flag.metadata.get("help", ""))
+        if name in mirrored and name not in helps:
+            help_text += f" (default here: {getattr(defaults, mirrored[name])})"
+        refused = type(defaults).recipe_fields.get(name, ZOO_FIELDS.get(name))
+        if refused is not None:
+            help_text = f"not set here: {refused}"
+        flag.metadata = MappingProxyType(dict(flag.metadata) | {"help": help_text.replace("%", "%%")})
+        HfArgumentParser._parse_dataclass_field(group, flag)
+        names.append(name)
+    for alias, name in ALIASES.items():
+        group.add_argument(alias, dest=name, type=int if name != "learning_rate" else float,
+                           help=f"--{name}")  # fmt: skip
+    for action in parser._actions:  # a field given, on the command line or in --config, is in the namespace
+        if action.dest in names:
+            action.default = argparse.SUPPRESS
+            if action.type is string_to_bool and action.nargs is None:  # `bool | None` fields: `--bf16` alone too
+                action.nargs, action.const = "?", True
+    # The usage line argparse prints before an error would otherwise list every field; and among so many flags, one
+    # cut short (`--learning_rat`) is a typo more often than a choice, which argparse would take for the flag it starts.
+    parser.usage = "%(prog)s --model MODEL --data DATA --out OUT [option ...] (see --help)"
+    parser.allow_abbrev = False
+    parser.set_defaults(trainer_fields=frozenset(names))
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run of this command (same options and --out) from its latest "
                              "checkpoint in OUT.checkpoints")  # fmt: skip
     parser.add_argument("--fsdp", type=int, default=defaults.fsdp, metavar="N",
                         help="shard parameters, gradients and optimizer state over N processes with FSDP2 (N: the "
-                             "number of processes of the launch); without it a distributed launch runs DDP")  # fmt: skip
+                             "number of processes of the launch); without it a distributed launch runs "
+                             "DDP")  # fmt: skip
     parser.add_argument("--ep", type=int, default=defaults.ep, metavar="N",
                         help="expert parallelism: each of N processes holds a contiguous range of every MoE layer's "
                              "routed experts, tokens reach them by all-to-all (implies --fsdp WORLD_SIZE)")  # fmt: skip
@@ -238,12 +388,80 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults, helps: dict
                              f"`{deepspeed_zero.INSTALL}`")  # fmt: skip
 
 
-def trainer_options(args: argparse.Namespace) -> dict:
-    """The options of `add_trainer_arguments` as keyword arguments of an options dataclass."""
-    return dict(
-        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, logging_steps=args.logging_steps,
-        save_steps=args.save_steps, resume=args.resume, fsdp=args.fsdp, ep=args.ep,
-        ep_implementation=args.ep_implementation, deepspeed=args.deepspeed,
-    )
+def trainer_options(args: argparse.Namespace, options_class=TrainerOptions) -> dict:
+    """The options of `add_trainer_arguments` as keyword arguments of `options_class` (a subclass of `TrainerOptions`):
+    the Trainer arguments given (on the command line or in `--config`) that it holds, the others as its
+    `training_args`, and the zoo's own."""
+    given = {name: getattr(args, name) for name in args.trainer_fields if hasattr(args, name)}
+    mirrored = mirrored_fields(options_class)
+    return {mirrored[name]: value for name, value in given.items() if name in mirrored} | dict(
+        training_args={name: value for name, value in given.items() if name not in mirrored},
+        resume=args.resume, fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation,
+        deepspeed=args.deepspeed,
+    )  # fmt: skip
+
+
+def parse_train_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """
+    `parser.parse_args(argv)` for a train command, with `--config FILE` (YAML or JSON: a mapping of options by flag or
+    field name) read first, as if its options came before `argv`'s on the command line: argparse checks their types
+    and choices, and a flag given on the command line overrides the file's value.
+    """
+    config = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    config.add_argument("--config")
+    path = config.parse_known_args(argv)[0].config
+    if path is None:
+        return parser.parse_args(argv)
+    return parser.parse_args(config_flags(parser, read_config(path), path) + argv)
+
+
+def read_config(path: str | Path) -> dict:
+    """The mapping of a YAML or JSON config file (YAML reads JSON too)."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config {path}: no such file") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path} is not YAML or JSON: {' '.join(str(error).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path} must hold a mapping of options by name, like `learning_rate: 1e-4`")
+    return config
+
+
+def config_flags(parser: argparse.ArgumentParser, config: dict, path) -> list[str]:
+    """The command-line flags that say what `config` does, each key a flag's name without its dashes or the field it
+    sets (`learning_rate`, `lr`, `lora-r`, `lora_r`); an unknown key is refused with the closest known one."""
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and option not in ("--help", "--config"):
+                actions.setdefault(option[2:], []).append(action)
+                actions.setdefault(action.dest, []).append(action)
+    flags = []
+    for key, value in config.items():
+        if key not in actions:
+            close = difflib.get_close_matches(str(key), sorted(actions), n=1)
+            raise ValueError(f"--config {path}: unknown key {key!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))  # fmt: skip
+        if value is None:
+            continue
+        switches = [action for action in actions[key] if action.nargs == 0]
+        if switches:  # store_true / store_false: the one whose value is the file's, none for the default
+            chosen = [action for action in switches if action.const == value]
+            if chosen:
+                flags.append(chosen[0].option_strings[0])
+            elif value != switches[0].default:
+                raise ValueError(f"--config {path}: {key} is true or false, got {value!r}")
+            continue
+        flag, many = actions[key][0].option_strings[0], actions[key][0].nargs in ("+", "*")
+        if isinstance(value, list):  # `report_to: [tensorboard, trackio]` is `--report_to tensorboard,trackio`
+            flags += [flag, *map(str, value)] if many else [flag, ",".join(map(str, value))]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags

@@ -44,6 +44,7 @@ from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
+from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
 
@@ -186,6 +187,7 @@ class MoeVieTrainingOptions(TrainerOptions):
     distill_weight: float = 0.5
     freeze_vision_dense_mlp: bool = True
     lora_r: int = 0
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: the folder's
 
 
 def set_loss_type(model: MoeVieModel, loss_type: str) -> None:
@@ -257,7 +259,7 @@ def train_moe_vie(
 
     # Sharded after loading (`adapted_sharding`): FSDP2 cannot shard the 0-d logit_scale, which stays whole.
     trained = load_adapted_for_training(MoeVieModel, folder, adapt, options.fsdp, options.ep,
-                                        options.ep_implementation)  # fmt: skip
+                                        options.ep_implementation, **load_dtype(options.dtype))  # fmt: skip
     processor = MoeVieProcessor.from_pretrained(folder)
     if options.video:
         collator = VideoTextCollator(processor, options.num_frames)
@@ -278,7 +280,8 @@ def train_moe_vie(
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap runs the vision tower alone, outside FSDP2's root unit
-            trained = unsharded_copy(trained, lambda: recipe(MoeVieModel.from_pretrained(folder)))
+            trained = unsharded_copy(
+                trained, lambda: recipe(MoeVieModel.from_pretrained(folder, **load_dtype(options.dtype))))
         model = merge_lora(trained) if options.lora_r else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
@@ -327,6 +330,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--text-column", default="text")
     defaults = MoeVieTrainingOptions()
     add_trainer_arguments(parser, defaults)
+    add_dtype_argument(parser)
     parser.add_argument("--loss", choices=sorted(CONTRASTIVE_LOSSES), help="switch the model's contrastive loss")
     parser.add_argument("--image-size", type=int, help="resize images to this size (progressive resolution)")
     parser.add_argument("--video", action="store_true",
@@ -343,7 +347,7 @@ def run_train(args) -> int:
     options = MoeVieTrainingOptions(
         **trainer_options(args), loss_type=args.loss, image_size=args.image_size, video=args.video,
         num_frames=args.num_frames, distill_weight=args.distill_weight,
-        freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r,
+        freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r, dtype=args.dtype,
     )
     training = train_moe_vie(args.model, args.data, args.out, options, image_column=args.image_column,
                              frames_column=args.frames_column, text_column=args.text_column,

@@ -53,6 +53,7 @@ from ..configuration.moemb import TOKEN_MODALITIES
 from ..configuration.smoes_settings import SmoesSettings
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
+from ..modeling.moe.precision import scaled_similarities
 from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
@@ -81,6 +82,7 @@ from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
 from .moemb_grpo import add_grpo_arguments, run_grpo
 from .plots import plot_log_history
+from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 from .smoes_hosts import (
     LogsSmoesTerms,
@@ -210,14 +212,14 @@ def info_nce_loss(
     """
     rank, _ = world()
     labels = rank * queries.shape[0] + torch.arange(queries.shape[0], device=queries.device)
-    logits = logit_scale * queries @ all_gather_with_grad(targets).t()
+    logits = scaled_similarities(queries, all_gather_with_grad(targets), logit_scale)  # fp32 under autocast too
     if target_keys is not None:
         keys = all_gather_with_grad(target_keys)
         duplicates = keys[labels][:, None] == keys[None, :]
         duplicates[torch.arange(len(labels)), labels] = False
         logits = logits.masked_fill(duplicates, float("-inf"))
     if negatives is not None:
-        logits = torch.cat([logits, logit_scale * queries @ all_gather_with_grad(negatives).t()], dim=1)
+        logits = torch.cat([logits, scaled_similarities(queries, all_gather_with_grad(negatives), logit_scale)], dim=1)
     return F.cross_entropy(logits, labels)
 
 
@@ -428,6 +430,7 @@ class MoEmbTrainingOptions(TrainerOptions):
     mask_duplicate_targets: bool = False
     lora: LoraOptions = field(default_factory=LoraOptions)
     bf16: bool = False
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: bf16's
     smoes: SmoesSettings | None = None  # SMoES on the experts (`--smoes`; trains the routers), saved in the config
     adaptive: AdaptiveRecipeOptions | None = None  # trained efficiency gates (`moezoo.training.moemb_adaptive`)
 
@@ -493,8 +496,9 @@ def train_moemb(
 
     # Under --fsdp / --ep the adapters are attached before the model is sharded (`adapted_sharding`). The layer-skip
     # gates decide before their block's forward, where FSDP2 has not gathered their layer: they stay whole.
+    dtype = load_dtype(options.dtype) or {"dtype": torch.bfloat16 if options.bf16 else torch.float32}
     load = partial(load_adapted_for_training, MoEmbForEmbedding, folder, with_lora, root_held=("model.visual",),
-                   kept_whole=("skip_gate",), dtype=torch.bfloat16 if options.bf16 else torch.float32)  # fmt: skip
+                   kept_whole=("skip_gate",), **dtype)  # fmt: skip
     peft_model = load(options.fsdp, options.ep, options.ep_implementation)
     model = peft_model.get_base_model()
     processor = MoEmbProcessor.from_pretrained(folder)
@@ -636,6 +640,7 @@ def add_train_arguments(parser) -> None:
     router.add_argument("--freeze-router", dest="train_router", action="store_false",
                         help="(default: the config's router_trainable, frozen for native MoE)")
     parser.add_argument("--bf16", action="store_true")
+    add_dtype_argument(parser, default="float32, bfloat16 with --bf16")
     add_smoes_arguments(parser)
     parser.add_argument("--overwrite", action="store_true")
     add_grpo_arguments(parser)
@@ -653,6 +658,7 @@ def run_train(args) -> int:
                          train_router=args.train_router),
         smoes=smoes_settings_from_args(args),
         adaptive=recipe_options(args),
+        dtype=args.dtype,
     )  # fmt: skip
     training = train_moemb(args.model, args.data, args.out, options, image_root=args.image_root,
                            overwrite=args.overwrite, eval_data=args.eval_data)

@@ -64,6 +64,7 @@ from ..hub.sources import model_folder
 from ..configuration.moemb_adaptive import EXECUTION_MODES
 from ..modeling.moemb import MoEmbForEmbedding
 from ..modeling.moe.balancing import sum_over_processes
+from ..modeling.moe.precision import scaled_similarities
 from ..modeling.moemb_adaptive.gates import (
     DROP,
     SKIP,
@@ -81,6 +82,7 @@ from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .plots import plot_log_history, save_figure
+from .precision import load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
 REWARD_GATE_MODES = ("efficiency_only", "all")
@@ -112,6 +114,7 @@ class GrpoOptions(TrainerOptions):
     scale_rewards: str = "group"  # TRL's: standardise advantages by the group's std, the batch's, or not at all
     max_length: int | None = None  # longest input in tokens (default: the processor's)
     execution: str = "packed"  # of the rollouts (AdaptiveSettings.execution); "masked" is faster on CPU at tiny sizes
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: the folder's
 
     def validate(self) -> None:
         """Raises a ValueError naming the option (its command-line flag) for values GRPO cannot run with."""
@@ -202,7 +205,7 @@ def retrieval_rewards(
     embeddings, teacher, candidates = embeddings.float(), teacher.float(), candidates.float()
     inputs = torch.arange(embeddings.shape[1], device=embeddings.device)
     labels = offset + inputs
-    similarity = embeddings @ candidates.t()  # (G, B, C)
+    similarity = scaled_similarities(embeddings, candidates)  # (G, B, C), fp32 under autocast too
     positive = similarity[:, inputs, labels]  # (G, B)
     own = torch.zeros(similarity.shape[1:], dtype=torch.bool, device=similarity.device)
     own[inputs, labels] = True
@@ -418,7 +421,7 @@ def clip_range(args: GRPOConfig) -> tuple[float, float]:
 
 def in_batch_accuracy(queries: torch.Tensor, targets: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
     """Share of queries whose own target is the most similar in-batch target (targets with its key count as it)."""
-    similarity = queries.float() @ targets.float().t()
+    similarity = scaled_similarities(queries, targets)
     best = similarity.argmax(-1)
     own = torch.arange(len(queries), device=queries.device)
     hit = best == own if keys is None else keys[best] == keys[own]
@@ -459,15 +462,17 @@ def prepare_policy_model(model: MoEmbForEmbedding) -> list[torch.nn.Module]:
     return heads
 
 
-def load_policy_model(folder: str | Path, fsdp: int = 1, ep: int = 1,
-                      ep_implementation: str = "auto") -> MoEmbForEmbedding:  # fmt: skip
+def load_policy_model(folder: str | Path, fsdp: int = 1, ep: int = 1, ep_implementation: str = "auto",
+                      dtype: str | None = None) -> MoEmbForEmbedding:  # fmt: skip
     """The MoEMB model of `folder` with efficiency heads (`with_policy_heads`), sharded as `--fsdp` / `--ep` ask:
     the heads are added to the model loaded whole, then the frozen backbone is sharded (`adapted_sharding`). The
     heads stay whole on every process: the loss reaches them through the gates' record, not through the output of
     the FSDP2 unit that holds them, so FSDP2 would not reduce their gradients; the Trainer averages them instead.
-    The vision tower runs on the batches that hold images only: it is left to the root unit."""
+    The vision tower runs on the batches that hold images only: it is left to the root unit. `dtype`: see
+    `moezoo.training.precision`."""
     return load_adapted_for_training(MoEmbForEmbedding, folder, with_policy_heads, fsdp, ep, ep_implementation,
-                                     root_held=("model.visual",), kept_whole=("efficiency_head",))  # fmt: skip
+                                     root_held=("model.visual",), kept_whole=("efficiency_head",),
+                                     **load_dtype(dtype))  # fmt: skip
 
 
 def with_policy_heads(model: MoEmbForEmbedding) -> MoEmbForEmbedding:
@@ -506,7 +511,7 @@ def train_moemb_grpo(
     dataset = load_mmeb_dataset(data, image_root)
     check_enough_examples(len(dataset), options.batch_size)
     set_seed(options.seed)
-    model = load_policy_model(folder, options.fsdp, options.ep, options.ep_implementation)
+    model = load_policy_model(folder, options.fsdp, options.ep, options.ep_implementation, options.dtype)
     processor = MoEmbProcessor.from_pretrained(folder)
     collator = GrpoCollator(processor, options.max_length)
 
@@ -519,7 +524,7 @@ def train_moemb_grpo(
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:
-            model = unsharded_copy(model, partial(load_policy_model, folder))
+            model = unsharded_copy(model, partial(load_policy_model, folder, dtype=options.dtype))
         model.config.adaptive = (model.config.adaptive or {}) | {"efficiency_policy": "greedy"}
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
@@ -627,7 +632,7 @@ def run_grpo(args) -> int:
         rollouts=args.rollouts, temperature=args.temperature, efficiency_weight=args.lambda_s,
         distillation_weight=args.lambda_d, reward_gate_mode=args.reward_gate, recall_at=args.recall_at,
         negative_temperature=args.negative_temperature, scale_rewards=args.scale_rewards, max_length=args.max_length,
-        execution=args.rollout_execution,
+        execution=args.rollout_execution, dtype=args.dtype,
     )  # fmt: skip
     training = train_moemb_grpo(args.model, args.data, args.out, options, image_root=args.image_root,
                                 overwrite=args.overwrite)  # fmt: skip

@@ -64,6 +64,7 @@ from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import load_for_training, main_process_output_dir
 from .plots import plot_log_history
+from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
 # What their dense base models load as, for experts initialised from the dense FFNs.
@@ -380,22 +381,24 @@ class MoteTrainingOptions(TrainerOptions):
     init_from: str = "shared"
     base_model: str | None = None  # ... with "dense": that model's folder or Hub id (default: `mote_base_model`)
     description: str | None = None  # ... and its description for the route selector
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: the folder's
 
 
 def load_mote_model(model_dir: str | Path, fsdp: int = 1, ep: int = 1, ep_implementation: str = "auto",
-                    adapt=None):
+                    adapt=None, dtype: str | None = None):
     """The model and processor of a VideoLLM-MoTE or GLM-OCR-MoTE folder, the model sharded as `--fsdp` / `--ep`
     ask (see `moezoo.training.distributed`); with `adapt`, `adapt(model)` (LoRA, a new expert), applied before the
-    sharding (`moezoo.training.adapted_sharding`)."""
+    sharding (`moezoo.training.adapted_sharding`); the weights loaded in `dtype` (`moezoo.training.precision`)."""
     folder, model_type = model_folder(
         model_dir, "`moezoo train mote`", TRAINABLE,
         other_types="train the text-only Llama-MoTE with TRL's SFTTrainer and TaskIdsCollator",
     )
     model_class, processor_class = TRAINABLE[model_type]
     if adapt is None:  # checkpoints of sharded runs are MoteTrainer's (`ShardedCheckpointsMixin`): no save_steps
-        model = load_for_training(model_class, folder, fsdp, ep, ep_implementation=ep_implementation)
+        model = load_for_training(model_class, folder, fsdp, ep, ep_implementation=ep_implementation,
+                                  **load_dtype(dtype))
     else:
-        model = load_adapted_for_training(model_class, folder, adapt, fsdp, ep, ep_implementation)
+        model = load_adapted_for_training(model_class, folder, adapt, fsdp, ep, ep_implementation, **load_dtype(dtype))
     return model, processor_class.from_pretrained(folder)
 
 
@@ -517,7 +520,7 @@ def train_mote(
     # (`adapted_sharding`), so that FSDP2 shards it with its layer; each step trains one route on every process
     # (`MoteBucketBatchSampler`), so every process runs, gathers and reduces the same units.
     adapt = with_new_expert if options.add_expert else with_lora if options.lora_r else None
-    load = partial(load_mote_model, model_dir, adapt=adapt)
+    load = partial(load_mote_model, model_dir, adapt=adapt, dtype=options.dtype)
     trained, processor = load(options.fsdp, options.ep, options.ep_implementation)
     model = trained.get_base_model() if isinstance(trained, MoteLoraModel) else trained
     if options.train_experts:  # before reading the data, so that a misspelt expert fails naming the experts
@@ -585,6 +588,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--out", required=True)
     defaults = MoteTrainingOptions()
     add_trainer_arguments(parser, defaults)
+    add_dtype_argument(parser)
     parser.add_argument("--lora-r", type=int, default=0,
                         help="joint training with LoRA of this rank on attention (the paper's recipe), merged at the "
                              "end; 0 trains the decoder in full")
@@ -608,6 +612,7 @@ def run_train(args) -> int:
     options = MoteTrainingOptions(
         **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), train_experts=tuple(args.train_experts),
         add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
+        dtype=args.dtype,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])

@@ -64,6 +64,7 @@ from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora, peft_target_modules
 from .plots import plot_log_history
+from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 from .smoes_hosts import (
     LogsSmoesTerms,
@@ -363,19 +364,20 @@ class OmniMoeVlTrainingOptions(TrainerOptions):
     lora_r: int = 0  # Stages II-IV: LoRA of this rank on the stage's experts (and attention in IV), merged at the end
     router_utility_coef: float = 0.0  # > 0: add L_util with this weight (the paper's 0.35; one more backward a step)
     smoes: SmoesSettings | None = None  # SMoES on the language experts (`--smoes`), saved in the model's config
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: the folder's
 
 
 def load_omnimoe_vl_model(
-    model_dir: str | Path, options: TrainerOptions | None = None, adapt=None
+    model_dir: str | Path, options: OmniMoeVlTrainingOptions | None = None, adapt=None
 ) -> tuple[nn.Module, OmniMoeVlProcessor]:
     """The model of an OmniMoE-VL folder, `adapt(model)` if given (the model to train: a PEFT model wrapping it, or
     the model), and its processor. Under `--fsdp` / `--ep` the model is sharded after `adapt`
     (`moezoo.training.adapted_sharding`): FSDP2 cannot shard the projector's 0-d `fusion_output_scale`, which stays
-    whole on every process."""
-    options = options or TrainerOptions()
+    whole on every process. The weights are loaded in `options.dtype`."""
+    options = options or OmniMoeVlTrainingOptions()
     folder, _ = model_folder(model_dir, "`moezoo train omnimoe_vl`", ["omnimoe_vl"])
     model = load_adapted_for_training(OmniMoeVlForConditionalGeneration, folder, adapt, options.fsdp, options.ep,
-                                      options.ep_implementation)  # fmt: skip
+                                      options.ep_implementation, **load_dtype(options.dtype))  # fmt: skip
     return model, OmniMoeVlProcessor.from_pretrained(folder)
 
 
@@ -437,7 +439,8 @@ def train_omnimoe_vl(
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
-            trained = unsharded_copy(trained, lambda: load_omnimoe_vl_model(model_dir, adapt=adapt)[0])
+            whole = OmniMoeVlTrainingOptions(dtype=options.dtype)
+            trained = unsharded_copy(trained, lambda: load_omnimoe_vl_model(model_dir, whole, adapt)[0])
         model = merge_lora(trained) if options.lora_r else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
@@ -496,6 +499,7 @@ def add_train_arguments(parser) -> None:
               "paper's, whose Table 1 is missing)",
     })  # fmt: skip
     parser.add_argument("--freeze-projector", action="store_true", help="Stages II-III: keep the projector frozen")
+    add_dtype_argument(parser)
     parser.add_argument("--lora", dest="lora_r", type=int, default=0, metavar="R",
                         help="Stages II-IV: LoRA of rank R on the stage's experts (and attention in IV), the "
                              "projector and routers in full; merged at the end")
@@ -509,7 +513,7 @@ def add_train_arguments(parser) -> None:
 def run_train(args) -> int:
     options = OmniMoeVlTrainingOptions(
         **trainer_options(args), stage=args.stage, train_projector=not args.freeze_projector, lora_r=args.lora_r,
-        router_utility_coef=args.router_utility, smoes=smoes_settings_from_args(args),
+        router_utility_coef=args.router_utility, smoes=smoes_settings_from_args(args), dtype=args.dtype,
     )
     training = train_omnimoe_vl(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])

@@ -61,6 +61,7 @@ from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
+from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
 
 
@@ -262,19 +263,20 @@ class SmoesTrainingOptions(TrainerOptions):
     learning_rate: float = 2e-5  # spec §6: the LLaVA-1.5 stage-2 value (the paper gives none)
     lora_r: int = 0  # LoRA of this rank on attention and experts (routers in full), merged at the end; 0: full
     freeze_routers: bool = False  # only with both SMoES coefficients 0 (statistics-only runs)
+    dtype: str | None = None  # load the weights in this dtype (`moezoo.training.precision`); None: the folder's
 
 
 def load_smoes_model(
-    model_dir: str | Path, options: TrainerOptions | None = None, adapt=None
+    model_dir: str | Path, options: SmoesTrainingOptions | None = None, adapt=None
 ) -> tuple[nn.Module, SmoesQwen3_5MoeProcessor]:
     """The model of an SMoES folder, `adapt(model)` if given (the model to train: a PEFT model wrapping it, or the
     model), and its processor. Under `--fsdp` / `--ep` (`--ep-implementation`) the model is sharded after `adapt`
-    (`moezoo.training.adapted_sharding`), what `adapt` added included."""
-    options = options or TrainerOptions()
+    (`moezoo.training.adapted_sharding`), what `adapt` added included. The weights are loaded in `options.dtype`."""
+    options = options or SmoesTrainingOptions()
     hosts = [architecture.name for architecture in architectures_named("smoes")]
     folder, model_type = model_folder(model_dir, "`moezoo train smoes`", hosts)
     model = load_adapted_for_training(get_architecture(model_type).model_class(), folder, adapt, options.fsdp,
-                                      options.ep, options.ep_implementation)  # fmt: skip
+                                      options.ep, options.ep_implementation, **load_dtype(options.dtype))  # fmt: skip
     return model, SmoesQwen3_5MoeProcessor.from_pretrained(folder)
 
 
@@ -318,7 +320,8 @@ def train_smoes(
         use_rich_progress(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
-            trained = unsharded_copy(trained, lambda: load_smoes_model(model_dir, adapt=adapt)[0])
+            whole = SmoesTrainingOptions(dtype=options.dtype)
+            trained = unsharded_copy(trained, lambda: load_smoes_model(model_dir, whole, adapt)[0])
         model = merge_lora(trained) if options.lora_r else trained
         model.save_pretrained(staging)
         processor.save_pretrained(staging)
@@ -367,11 +370,13 @@ def add_train_arguments(parser) -> None:
                         help="LoRA of rank R on attention and experts, the routers in full; merged at the end")
     parser.add_argument("--freeze-routers", action="store_true",
                         help="keep the routers frozen: only with smoes_bal_coef and smoes_mi_coef 0 in the config")
+    add_dtype_argument(parser)
     parser.add_argument("--overwrite", action="store_true")
 
 
 def run_train(args) -> int:
-    options = SmoesTrainingOptions(**trainer_options(args), lora_r=args.lora_r, freeze_routers=args.freeze_routers)
+    options = SmoesTrainingOptions(**trainer_options(args), lora_r=args.lora_r, freeze_routers=args.freeze_routers,
+                                   dtype=args.dtype)
     training = train_smoes(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
     return 0
