@@ -178,6 +178,8 @@ def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: boo
 
 @dataclass
 class MoeVieTrainingOptions(TrainerOptions):
+    recipe_fields = {"dataloader_drop_last": "the global contrastive loss needs equal batches on every process"}
+
     batch_size: int = 32
     weight_decay: float = 0.05
     loss_type: str | None = None  # switch the model's contrastive loss (softmax | sigmoid)
@@ -267,8 +269,7 @@ def train_moe_vie(
         collator = ImageTextCollator(processor, options.image_size)
 
     with main_process_output_dir(out, overwrite=overwrite) as staging:
-        # The global contrastive loss needs equal batches on every process.
-        args = training_arguments(out, options, dataloader_drop_last=True)
+        args = training_arguments(out, options, fixed={"dataloader_drop_last": True})
         trainer_class, extra = MoeVieTrainer, {}
         if options.video:
             trainer_class = VideoDistillationTrainer
@@ -345,8 +346,8 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoeVieTrainingOptions(
-        **trainer_options(args), loss_type=args.loss, image_size=args.image_size, video=args.video,
-        num_frames=args.num_frames, distill_weight=args.distill_weight,
+        **trainer_options(args, MoeVieTrainingOptions), loss_type=args.loss, image_size=args.image_size,
+        video=args.video, num_frames=args.num_frames, distill_weight=args.distill_weight,
         freeze_vision_dense_mlp=not args.train_vision_dense_mlp, lora_r=args.lora_r, dtype=args.dtype,
     )
     training = train_moe_vie(args.model, args.data, args.out, options, image_column=args.image_column,

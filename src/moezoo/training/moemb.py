@@ -47,6 +47,7 @@ from peft import LoraConfig
 from torch import nn
 from torch.nn import functional as F
 from transformers import Trainer, set_seed
+from trl import GRPOConfig
 
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
@@ -80,7 +81,7 @@ from .distributed import (
 )
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
-from .moemb_grpo import add_grpo_arguments, run_grpo
+from .moemb_grpo import GRPO_FIELD_HELPS, add_grpo_arguments, run_grpo
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
@@ -419,6 +420,15 @@ def count_trainable(model: nn.Module) -> int:
 
 @dataclass
 class MoEmbTrainingOptions(TrainerOptions):
+    recipe_fields = {
+        "dataloader_drop_last": "the labels of the gathered logits assume equal local batches",
+        "ddp_static_graph": "queries and targets are two forwards before one backward, which DDP allows only with a "
+                            "static graph",
+        "per_device_eval_batch_size": "validation batches are as large as the training ones: InfoNCE depends on "
+                                      "the number of in-batch negatives",
+        "eval_strategy": "the validation loss is measured every --logging_steps steps when --eval-data is given",
+    }
+
     batch_size: int = 32  # per process; the negatives pool is the global batch
     recipe: str = "stated"
     learning_rate: float | None = None  # default: the recipe's
@@ -509,6 +519,14 @@ def train_moemb(
         args = training_arguments(
             out,
             options,
+            fixed=dict(  # why: MoEmbTrainingOptions.recipe_fields
+                dataloader_drop_last=True,
+                # The same parameters are used at every step, as DDP's static graph needs (fused experts are one
+                # tensor per layer).
+                ddp_static_graph=True,
+                per_device_eval_batch_size=options.batch_size,
+                eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
+            ),
             learning_rate=learning_rate,
             lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": 0.1},
@@ -516,13 +534,6 @@ def train_moemb(
             adam_beta2=0.98,
             max_grad_norm=1.0,
             bf16=options.bf16,
-            dataloader_drop_last=True,  # equal local batches: the labels of the gathered logits assume them
-            # Queries and targets are two forwards before one backward, which DDP allows only with a static graph: the
-            # same parameters used at every step, as they are here (fused experts are one tensor per layer).
-            ddp_static_graph=True,
-            # Validation batches as large as the training ones: InfoNCE depends on the number of in-batch negatives.
-            per_device_eval_batch_size=options.batch_size,
-            eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
         )
         collator = MoEmbCollator(processor, options.chunk_size, options.max_length)
         trainer_class, recipe = (MoEmbTrainer, {}) if gates is None else (recipe_trainer(MoEmbTrainer),
@@ -613,10 +624,13 @@ def add_train_arguments(parser) -> None:
                         help="validation data in the format of --data: its InfoNCE loss is logged every "
                              "--logging-steps steps")
     parser.add_argument("--image-root", help="folder the image paths are relative to (default: the data's folder)")
-    add_trainer_arguments(parser, defaults, helps={
-        "batch_size": "pairs per process; all processes' targets are every query's negatives",
-        "lr": "peak learning rate (default: the recipe's)",
-    })
+    # GRPOConfig's fields: a TrainingArguments' and GRPO's (--grpo; without it, MoEmbTrainingOptions refuses them).
+    add_trainer_arguments(parser, defaults, arguments_class=GRPOConfig, helps={
+        "per_device_train_batch_size": "pairs per process; all processes' targets are every query's negatives "
+                                       f"(default here: {defaults.batch_size})",
+        "learning_rate": "peak learning rate (default: the recipe's)",
+        "bf16": "load the weights in bfloat16 and train under bf16 autocast",
+    } | GRPO_FIELD_HELPS)
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=defaults.recipe,
                         help="stated: peak LR 1e-4 (the paper's headline); tuned: 5e-5 (its Fig. 6)")
     parser.add_argument("--chunk-size", type=int,
@@ -639,7 +653,6 @@ def add_train_arguments(parser) -> None:
     router.add_argument("--train-router", dest="train_router", action="store_true", default=None)
     router.add_argument("--freeze-router", dest="train_router", action="store_false",
                         help="(default: the config's router_trainable, frozen for native MoE)")
-    parser.add_argument("--bf16", action="store_true")
     add_dtype_argument(parser, default="float32, bfloat16 with --bf16")
     add_smoes_arguments(parser)
     parser.add_argument("--overwrite", action="store_true")
@@ -651,8 +664,8 @@ def run_train(args) -> int:
     if args.grpo:
         return run_grpo(args)
     options = MoEmbTrainingOptions(
-        **trainer_options(args), recipe=args.recipe, chunk_size=args.chunk_size, max_length=args.max_length,
-        negatives=args.negatives, mask_duplicate_targets=args.mask_duplicate_targets, bf16=args.bf16,
+        **trainer_options(args, MoEmbTrainingOptions), recipe=args.recipe, chunk_size=args.chunk_size,
+        max_length=args.max_length, negatives=args.negatives, mask_duplicate_targets=args.mask_duplicate_targets,
         lora=LoraOptions(rank=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, experts=args.expert_lora,
                          expert_groups=args.expert_lora_groups, target_gdn=args.lora_target_gdn,
                          train_router=args.train_router),

@@ -47,6 +47,7 @@ CPU at tiny sizes, with the same actions and log-probabilities).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
@@ -76,7 +77,7 @@ from ..modeling.moemb_adaptive.gates import (
 )
 from ..processors.moemb import MoEmbProcessor
 from ..terminal import console
-from .arguments import TrainerOptions, checkpoint_to_resume, training_arguments
+from .arguments import TrainerOptions, checkpoint_to_resume, trainer_arguments
 from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
@@ -90,6 +91,12 @@ SCALE_REWARDS = ("group", "batch", "none")
 # The training curves written beside the model: panel title -> logged metric.
 CURVES = {"reward": "reward", "FLOPs saving S(a)": "flops_saving", "in-batch accuracy (rollouts)": "accuracy",
           "in-batch accuracy (full compute)": "full_compute_accuracy"}  # fmt: skip
+# GRPOConfig's own fields that this GRPO honours, and those it does not: TRL's GRPOTrainer generates and scores text
+# with them.
+HONOURED_GRPO_FIELDS = ("num_generations", "temperature", "epsilon", "epsilon_high", "scale_rewards")
+TEXT_GENERATION_FIELDS = sorted({field.name for field in dataclasses.fields(GRPOConfig)}
+                                - {field.name for field in dataclasses.fields(TrainingArguments)}
+                                - set(HONOURED_GRPO_FIELDS))  # fmt: skip
 
 
 # --- options ------------------------------------------------------------------------------------------------------
@@ -98,6 +105,17 @@ CURVES = {"reward": "reward", "FLOPs saving S(a)": "flops_saving", "in-batch acc
 @dataclass
 class GrpoOptions(TrainerOptions):
     """`moezoo train moemb --grpo`: the Trainer's options (spec §3.13's defaults) and the policy's."""
+
+    arguments_class = GRPOConfig
+    recipe_fields = {name: "it is for generating text, and this GRPO samples the efficiency heads' actions"
+                     for name in TEXT_GENERATION_FIELDS} | {
+        "beta": "there is no reference model (beta = 0)",
+        "num_iterations": "updates are on-policy, one per rollout batch",
+        "steps_per_generation": "each step samples its own rollouts (--num_generations of each input)",
+        "dataloader_drop_last": "the in-batch candidates assume equal local batches",
+        "ddp_find_unused_parameters": "the heads' log-probabilities are read from the gates' record, not from the "
+                                      "forward's output, so DDP's search would take every head for unused",
+    }  # fmt: skip
 
     steps: int = 200
     batch_size: int = 32  # (query, target) pairs per process; the in-batch candidates are the global batch's
@@ -146,22 +164,32 @@ class GrpoOptions(TrainerOptions):
         return self.rollouts if self.recall_at is None else self.recall_at
 
 
-def grpo_config(out: str | Path, options: GrpoOptions, **overrides) -> GRPOConfig:
+# Help of the GRPOConfig fields GRPO honours, on `moezoo train moemb`.
+GRPO_FIELD_HELPS = {
+    "num_generations": f"with --grpo: G, rollouts per input (>= 2; default here: {GrpoOptions.rollouts})",
+    "temperature": "with --grpo: sampling temperature of the efficiency heads (default here: "
+                   f"{GrpoOptions.temperature})",
+    "epsilon": f"with --grpo: PPO clip range (inactive on-policy; default here: {GrpoOptions.epsilon})",
+    "scale_rewards": "with --grpo: TRL's advantage scaling, by each input's reward std (group), the batch's, or none "
+                     f"(default here: {GrpoOptions.scale_rewards})",
+}
+
+
+def grpo_config(out: str | Path, options: GrpoOptions, fixed: dict | None = None, **defaults) -> GRPOConfig:
     """TRL's `GRPOConfig` for a run writing `out`: the Trainer arguments every moezoo command uses
-    (`training_arguments`) and GRPO's. TRL counts its batch in completions; here each of the `batch_size` inputs
-    has `rollouts` of them, so its generation batch is `batch_size × rollouts`."""
+    (`trainer_arguments`, with TrainingArguments' defaults, not GRPOConfig's, which checkpoint activations) and
+    GRPO's. TRL counts its batch in completions; here each of the `batch_size` inputs has `rollouts` of them, so its
+    generation batch is `batch_size × rollouts`."""
     options.validate()
-    arguments = training_arguments(out, options, **overrides)
+    grpo = dict(num_generations=options.rollouts, steps_per_generation=options.rollouts,
+                temperature=options.temperature, epsilon=options.epsilon, beta=0.0, num_iterations=1,
+                scale_rewards=options.scale_rewards)  # fmt: skip
+    arguments = trainer_arguments(out, options, (fixed or {}) | grpo, **defaults)
     init_fields = {field.name for field in dataclasses.fields(TrainingArguments) if field.init}
+    common = TrainingArguments(**{key: value for key, value in arguments.items() if key in init_fields})
     return GRPOConfig(
-        **{key: value for key, value in arguments.to_dict().items() if key in init_fields},
-        num_generations=options.rollouts,
-        steps_per_generation=options.rollouts,
-        temperature=options.temperature,
-        epsilon=options.epsilon,
-        beta=0.0,
-        num_iterations=1,
-        scale_rewards=options.scale_rewards,
+        **{key: value for key, value in common.to_dict().items() if key in init_fields},
+        **{key: value for key, value in arguments.items() if key not in init_fields},
     )
 
 
@@ -518,7 +546,8 @@ def train_moemb_grpo(
     with main_process_output_dir(out, overwrite=overwrite) as staging:
         # DDP's search for unused parameters walks back from the forward's output, which the log-probabilities of the
         # heads do not feed (they are read from the gates' record): it would take every head for unused.
-        args = grpo_config(out, options, max_grad_norm=1.0, dataloader_drop_last=True, ddp_find_unused_parameters=False)
+        args = grpo_config(out, options, dict(dataloader_drop_last=True, ddp_find_unused_parameters=False),
+                           max_grad_norm=1.0)
         trainer = GatePolicyGRPOTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                         callbacks=[LogAtCheckpointsAndEnd()], options=options)  # fmt: skip
         use_rich_progress(trainer)
@@ -593,13 +622,14 @@ def add_grpo_arguments(parser) -> None:
     group = parser.add_argument_group(
         "GRPO over the efficiency gates (spec §3.13)",
         "with --grpo, --model is a trained MoEMB (its backbone stays frozen) and only the per-layer efficiency heads "
-        "train; --lr defaults to 5e-5; the LoRA, --recipe, --chunk-size and --negatives options do not apply",
+        "train; --learning_rate defaults to 5e-5; the LoRA, --recipe, --chunk-size and --negatives options do not "
+        "apply; GRPOConfig's --num_generations (--rollouts), --temperature, --epsilon, --epsilon_high and "
+        "--scale_rewards do",
     )
     group.add_argument("--grpo", action="store_true",
                        help="train the efficiency heads (ROUTE / SKIP / DROP per token and MoE layer) with GRPO")
-    group.add_argument("--rollouts", type=int, default=defaults.rollouts, help="G: rollouts per input (>= 2)")
-    group.add_argument("--temperature", type=float, default=defaults.temperature,
-                       help="sampling temperature of the heads")
+    group.add_argument("--rollouts", dest="num_generations", type=int, default=argparse.SUPPRESS,
+                       help="--num_generations")
     group.add_argument("--lambda-s", type=float, default=defaults.efficiency_weight,
                        help="weight of the FLOPs-saving reward S(a)")
     group.add_argument("--lambda-d", type=float, default=defaults.distillation_weight,
@@ -609,8 +639,6 @@ def add_grpo_arguments(parser) -> None:
     group.add_argument("--recall-at", type=int, help="K of the recall gate (default: --rollouts)")
     group.add_argument("--negative-temperature", type=float, default=defaults.negative_temperature,
                        help="temperature of the softmax weighting the in-batch negatives")
-    group.add_argument("--scale-rewards", choices=SCALE_REWARDS, default=defaults.scale_rewards,
-                       help="TRL's advantage scaling: by each input's reward std, the batch's, or none")
     group.add_argument("--rollout-execution", choices=EXECUTION_MODES, default=defaults.execution,
                        help="packed (spec §3.14, the savings become time) or masked (faster on CPU at tiny sizes)")
 
@@ -626,13 +654,10 @@ def run_grpo(args) -> int:
     if misplaced:
         raise ValueError(f"{', '.join(misplaced)} do not apply to --grpo, which embeds a batch at once on each "
                          "process and trains only the efficiency heads, by GRPO")  # fmt: skip
-    common = trainer_options(args) | {"learning_rate": args.lr or GrpoOptions.learning_rate}
     options = GrpoOptions(
-        **{key: value for key, value in common.items() if key in {f.name for f in dataclasses.fields(GrpoOptions)}},
-        rollouts=args.rollouts, temperature=args.temperature, efficiency_weight=args.lambda_s,
-        distillation_weight=args.lambda_d, reward_gate_mode=args.reward_gate, recall_at=args.recall_at,
-        negative_temperature=args.negative_temperature, scale_rewards=args.scale_rewards, max_length=args.max_length,
-        execution=args.rollout_execution, dtype=args.dtype,
+        **trainer_options(args, GrpoOptions), efficiency_weight=args.lambda_s, distillation_weight=args.lambda_d,
+        reward_gate_mode=args.reward_gate, recall_at=args.recall_at, negative_temperature=args.negative_temperature,
+        max_length=args.max_length, execution=args.rollout_execution, dtype=args.dtype,
     )  # fmt: skip
     training = train_moemb_grpo(args.model, args.data, args.out, options, image_root=args.image_root,
                                 overwrite=args.overwrite)  # fmt: skip

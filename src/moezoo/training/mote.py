@@ -610,8 +610,9 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = MoteTrainingOptions(
-        **trainer_options(args), lora_r=args.lora_r, tasks=tuple(args.tasks), train_experts=tuple(args.train_experts),
-        add_expert=args.add_expert, init_from=args.init_from, base_model=args.base_model, description=args.description,
+        **trainer_options(args, MoteTrainingOptions), lora_r=args.lora_r, tasks=tuple(args.tasks),
+        train_experts=tuple(args.train_experts), add_expert=args.add_expert, init_from=args.init_from,
+        base_model=args.base_model, description=args.description,
         dtype=args.dtype,
     )
     training = train_mote(args.model, args.data, args.out, options, overwrite=args.overwrite)

@@ -495,8 +495,8 @@ def add_train_arguments(parser) -> None:
                              "experts and routers (+ projector); IV: everything (spec §3.2)")
     defaults = OmniMoeVlTrainingOptions()
     add_trainer_arguments(parser, defaults, helps={
-        "lr": "learning rate (default per stage: I 1e-3, II 2e-5, III 2e-5, IV 1e-5; moezoo's choice, not the "
-              "paper's, whose Table 1 is missing)",
+        "learning_rate": "learning rate (default per stage: I 1e-3, II 2e-5, III 2e-5, IV 1e-5; moezoo's choice, "
+                         "not the paper's, whose Table 1 is missing)",
     })  # fmt: skip
     parser.add_argument("--freeze-projector", action="store_true", help="Stages II-III: keep the projector frozen")
     add_dtype_argument(parser)
@@ -512,7 +512,8 @@ def add_train_arguments(parser) -> None:
 
 def run_train(args) -> int:
     options = OmniMoeVlTrainingOptions(
-        **trainer_options(args), stage=args.stage, train_projector=not args.freeze_projector, lora_r=args.lora_r,
+        **trainer_options(args, OmniMoeVlTrainingOptions), stage=args.stage,
+        train_projector=not args.freeze_projector, lora_r=args.lora_r,
         router_utility_coef=args.router_utility, smoes=smoes_settings_from_args(args), dtype=args.dtype,
     )
     training = train_omnimoe_vl(args.model, args.data, args.out, options, overwrite=args.overwrite)

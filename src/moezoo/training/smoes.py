@@ -365,7 +365,8 @@ def add_train_arguments(parser) -> None:
                              "the file) and text, or an image folder with metadata.jsonl")
     parser.add_argument("--out", required=True)
     defaults = SmoesTrainingOptions()
-    add_trainer_arguments(parser, defaults, helps={"lr": "learning rate (default 2e-5, LLaVA-1.5's stage 2)"})
+    add_trainer_arguments(parser, defaults,
+                          helps={"learning_rate": "learning rate (default 2e-5, LLaVA-1.5's stage 2)"})  # fmt: skip
     parser.add_argument("--lora", dest="lora_r", type=int, default=0, metavar="R",
                         help="LoRA of rank R on attention and experts, the routers in full; merged at the end")
     parser.add_argument("--freeze-routers", action="store_true",
@@ -375,8 +376,8 @@ def add_train_arguments(parser) -> None:
 
 
 def run_train(args) -> int:
-    options = SmoesTrainingOptions(**trainer_options(args), lora_r=args.lora_r, freeze_routers=args.freeze_routers,
-                                   dtype=args.dtype)
+    options = SmoesTrainingOptions(**trainer_options(args, SmoesTrainingOptions), lora_r=args.lora_r,
+                                   freeze_routers=args.freeze_routers, dtype=args.dtype)
     training = train_smoes(args.model, args.data, args.out, options, overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
     return 0
