@@ -340,7 +340,8 @@ def test_eval_command_with_adaptive_actions_reports_the_flops_saving(tiny_moemb,
 def test_bench_default_options_fit_every_size(size):
     """`moezoo bench moemb --size SIZE` without other options: the image+text batch it builds (the longest) fits the
     model's context, which the size's default image size sees to; checked without building the model."""
-    from moezoo.bench.moemb import IMAGE_SIZES, SIZES, add_bench_arguments, bench_configs, bench_inputs
+    from moezoo.bench.moemb import IMAGE_SIZES, SIZES, add_bench_arguments, bench_configs
+    from moezoo.bench.moemb_inputs import bench_inputs
 
     assert set(SIZES) == {"cpu", "tiny", "a3b"}
     parser = argparse.ArgumentParser()

@@ -16,8 +16,8 @@ from torch.nn import functional as F
 from conftest import exported_moemb_outputs
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.hub.export import export_folder
-from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead, GateControl, SharedDraws, controlled_gates
+from moezoo.modeling.moemb import MoEmbForEmbedding, controlled_gates
+from moezoo.modeling.moemb_adaptive.gates import DROP, EfficiencyHead, GateControl, SharedDraws
 from moezoo.training.moemb_grpo import (
     GatePolicyGRPOTrainer,
     GrpoOptions,

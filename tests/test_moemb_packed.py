@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from moezoo.bench.moemb import MIXED_INPUTS, bench_inputs
 from moezoo.bench.moemb_adaptive import packed_inputs
+from moezoo.bench.moemb_inputs import MIXED_INPUTS, bench_inputs
 from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_adaptive import AdaptiveSettings
 from moezoo.modeling.moemb import fla_chunk_gated_delta_rule

@@ -18,13 +18,8 @@ from moezoo.configuration.moemb import TINY_MOEMB, MoEmbConfig
 from moezoo.configuration.moemb_gates import GateModules
 from moezoo.evaluation.moemb import add_eval_arguments, run_eval
 from moezoo.hub.export import export_folder
-from moezoo.modeling.moemb import MoEmbForEmbedding
-from moezoo.modeling.moemb_adaptive.gates import (
-    GateControl,
-    attach_gate_modules,
-    controlled_gates,
-    null_expert_slots,
-)
+from moezoo.modeling.moemb import MoEmbForEmbedding, controlled_gates
+from moezoo.modeling.moemb_adaptive.gates import GateControl, attach_gate_modules, null_expert_slots
 from moezoo.modeling.moemb_adaptive.trained import masked_attention, masked_gated_delta_net
 from moezoo.modeling.moemb_flops import TokenDecisions, TokenLayerFlops, logical_flops
 from moezoo.processors.moemb import MoEmbProcessor

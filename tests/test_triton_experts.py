@@ -12,7 +12,7 @@ from transformers import PreTrainedConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.moe import use_experts_implementation
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from moezoo.kernels import sorted_experts, triton_backward_kernels, triton_kernels
+from moezoo.kernels import moezoo_experts, triton_backward_kernels, triton_kernels
 from moezoo.kernels.triton_experts import _device_reason, kernel_activation
 from moezoo.modeling.moe import GeluExperts, MoeLayerSpec, SwiGLUExperts
 
@@ -272,11 +272,11 @@ def test_moezoo_hands_cuda_tensors_to_triton(kernel_calls, monkeypatch):
     assert len(kernel_calls) == (DEVICE == "cuda")
 
     kernel_calls.clear()
-    monkeypatch.setattr(sorted_experts, "TRITON_DEVICE_TYPES", (DEVICE,))
-    monkeypatch.setattr(sorted_experts, "is_triton_available", lambda: False)
+    monkeypatch.setattr(moezoo_experts, "TRITON_DEVICE_TYPES", (DEVICE,))
+    monkeypatch.setattr(moezoo_experts, "is_triton_available", lambda: False)
     assert_all_close(gradients(module, "moezoo", *inputs), expected)
     assert kernel_calls == []
-    monkeypatch.setattr(sorted_experts, "is_triton_available", lambda: True)
+    monkeypatch.setattr(moezoo_experts, "is_triton_available", lambda: True)
     assert_all_close(gradients(module, "moezoo", *inputs), expected)
     assert kernel_calls == [(9, 48)]
 

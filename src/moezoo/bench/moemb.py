@@ -19,14 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 
-import numpy as np
 import torch
 from torch.nn import functional as F
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from ..configuration.moemb import MOEMB_CONFIGS, TINY_MOEMB, MoEmbConfig
 from ..modeling.moemb import MoEmbForEmbedding
-from ..processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 from ..terminal import console, print_table, progress_bar
 from .moe_layer import (
     DEFAULT_IMPLEMENTATIONS,
@@ -36,6 +34,8 @@ from .moe_layer import (
     split_runnable,
     synchronize,
 )
+from .moemb_adaptive import run as run_adaptive
+from .moemb_inputs import INPUT_KINDS, bench_inputs
 from .timing import add_device_arguments, add_threads_argument, apply_threads, describe_device, time_round_robin
 
 # "cpu": the A3B proportions (3 Gated DeltaNet layers per attention layer, fine-grained experts with a shared one,
@@ -63,9 +63,6 @@ SIZES = {
 # hold 64 image tokens at 64 px, not the 784 of a 224 px image).
 IMAGE_SIZES = {"cpu": 224, "tiny": 64, "a3b": 224}
 DEFAULT_SIZE = "cpu"
-INPUT_KINDS = ("text", "image+text")
-MIXED_INPUTS = "mixed"  # image+text and text items alternating (bench moemb --adaptive)
-WORDS = ("a", "photo", "of", "the", "red", "green", "blue", "circle", "square", "moving", "left", "image", "text")
 
 
 @dataclass
@@ -103,29 +100,6 @@ def build_models(config: MoEmbConfig, qwen_config: Qwen3_5MoeConfig, seed: int =
     weights = {name: tensor for name, tensor in qwen.state_dict().items() if name != "lm_head.weight"}
     moemb.load_state_dict(weights, strict=True)
     return qwen.model, moemb
-
-
-def bench_inputs(config: MoEmbConfig, kind: str, batch_size: int, text_tokens: int, image_size: int, seed: int = 0):
-    """A processor batch of `batch_size` inputs: random captions of about `text_tokens` words, with an instruction
-    and a random `image_size` px image for "image+text" (every other input for `MIXED_INPUTS`, the first included)."""
-    if kind not in (*INPUT_KINDS, MIXED_INPUTS):
-        raise ValueError(f"inputs must be one of {', '.join(INPUT_KINDS)} or {MIXED_INPUTS}, got {kind!r}")
-    # The vocabulary does not matter for speed: a tiny tokenizer works for every size, offline.
-    processor = make_moemb_processor(config, tokenizer=tiny_tokenizer_for(config))
-    # Exactly image_size x image_size pixels (a multiple of patch x merge): min = max = that area.
-    factor = config.vision_config.patch_size * config.vision_config.spatial_merge_size
-    area = (image_size // factor * factor) ** 2
-    processor.image_processor.size = {"shortest_edge": area, "longest_edge": area}
-    rng = np.random.default_rng(seed + batch_size)
-    items = []
-    for index in range(batch_size):
-        text = " ".join(rng.choice(WORDS, size=int(rng.integers(text_tokens // 2, text_tokens + 1))))
-        if kind == "text" or (kind == MIXED_INPUTS and index % 2):
-            items.append(text)
-        else:
-            image = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
-            items.append({"instruction": "Represent the image with its caption.", "text": text, "images": [image]})
-    return processor(items, max_length=config.text_config.max_position_embeddings)
 
 
 @torch.no_grad()
@@ -260,8 +234,6 @@ def run_bench(args: argparse.Namespace) -> int:
     config, qwen_config = bench_configs(args.size)
     apply_threads(args)
     if args.adaptive:
-        from .moemb_adaptive import run as run_adaptive  # here: it builds its inputs with this module's functions
-
         return run_adaptive(args, config, args.image_size or IMAGE_SIZES[args.size])
     with progress_bar(transient=True) as progress:
         task = progress.add_task("moemb", total=len(args.inputs))

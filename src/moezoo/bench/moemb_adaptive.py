@@ -37,7 +37,7 @@ from ..modeling.moemb_adaptive import calibrate_modes
 from ..modeling.moemb_adaptive.packed import PaddedBatch
 from ..terminal import console, print_table
 from .moe_layer import check_device, synchronize
-from .moemb import MIXED_INPUTS, bench_inputs
+from .moemb_inputs import MIXED_INPUTS, bench_inputs
 from .timing import describe_device, time_round_robin
 
 

@@ -40,7 +40,7 @@ from ..hub.folders import read_provenance
 from ..modeling.moe.block import SparseMoeBlock
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor
-from ..training.moemb import load_mmeb_dataset
+from ..training.moemb_data import load_mmeb_dataset
 from .common import ConversionResult, option_name
 
 

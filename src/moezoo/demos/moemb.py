@@ -30,7 +30,8 @@ from ..modeling.moemb_adaptive import calibrate_modes
 from ..processors.build_moemb import make_moemb_processor, tiny_tokenizer_for
 from ..processors.moemb import MoEmbProcessor
 from ..terminal import console, print_table
-from ..training.moemb import LoraOptions, MoEmbTrainingOptions, load_mmeb_dataset, train_moemb
+from ..training.moemb import LoraOptions, MoEmbTrainingOptions, train_moemb
+from ..training.moemb_data import load_mmeb_dataset
 from ..training.moemb_grpo import GrpoOptions, train_moemb_grpo
 from ..training.moemb_synthetic import DIRECTIONS, ShapeRetrieval
 

@@ -1,7 +1,8 @@
 """moezoo's experts implementation for the CPU: tokens sorted by expert, one contiguous GEMM per expert.
 
-Select it on any model whose experts use `@use_experts_implementation` (ours and transformers' own, e.g.
-Qwen3.5-MoE) with `experts_implementation="moezoo"` or `model.set_experts_implementation("moezoo")`.
+It runs the CPU calls of `moezoo` (`moezoo_experts.py`): select it on any model whose experts use
+`@use_experts_implementation` (ours and transformers' own, e.g. Qwen3.5-MoE) with `experts_implementation="moezoo"`
+or `model.set_experts_implementation("moezoo")`.
 
 Forward, for the S = T*k (token, slot) pairs sorted by expert:
     xs  = x[token_of_pair]                                  one gather (S, H)
@@ -31,8 +32,8 @@ SwiGLU in fp32 the activation is one native pass over all pairs (silu, times up,
 derivative (which also yields the routing-weight gradients), instead of three and six PyTorch passes. Without a C
 compiler the PyTorch path above serves every call.
 
-CUDA tensors go to moezoo's Triton experts (`moezoo_triton`, `triton_experts.py`) when triton is installed.
-Everything else this implementation does not cover (other devices, expert parallelism, post-expert norms,
+`moezoo` hands CUDA tensors to moezoo's Triton experts (`moezoo_triton`, `triton_experts.py`) when triton is
+installed. Everything else this implementation does not cover (other devices, expert parallelism, post-expert norms,
 torch.compile tracing) is handed to transformers' `grouped_mm` implementation (`batched_mm` for weights `grouped_mm`
 cannot take: `transformers_experts_forward`).
 """
@@ -46,17 +47,13 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import (
-    ExpertsInterface,
     _default_apply_gate,
     batched_mm_experts_forward,
     grouped_mm_experts_forward,
 )
-from transformers.utils.import_utils import is_torchdynamo_compiling, is_triton_available
+from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from .native import native_library
-
-
-IMPLEMENTATION_NAME = "moezoo"
 
 
 class _Workspace(threading.local):
@@ -582,26 +579,6 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# The devices whose calls `moezoo` hands to moezoo's Triton experts (`moezoo_triton`) when triton is installed.
-TRITON_DEVICE_TYPES = ("cuda",)
-
-
-def hands_to_triton(device: torch.device) -> bool:
-    """Whether `moezoo` runs a call on `device` with moezoo's Triton experts: the default implementation of moezoo's
-    models is resolved here, at the call, because a model is built on the meta device and moved afterwards."""
-    return device.type in TRITON_DEVICE_TYPES and is_triton_available()
-
-
-def sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights):
-    """`ExpertsInterface` entry: `(module, hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`.
-    CUDA tensors go to `moezoo_triton` when triton is installed, see `experts_forward_without_triton` for the rest."""
-    if hands_to_triton(hidden_states.device):
-        from .triton_experts import triton_experts_forward  # which imports this module
-
-        return triton_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    return experts_forward_without_triton(module, hidden_states, top_k_index, top_k_weights)
-
-
 def experts_forward_without_triton(module, hidden_states, top_k_index, top_k_weights):
     """The CPU implementation above for CPU tensors, transformers' `grouped_mm` (or `batched_mm`) for other devices and
     what the CPU implementation does not cover."""
@@ -620,7 +597,7 @@ def experts_forward_without_triton(module, hidden_states, top_k_index, top_k_wei
 
 def _sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights, up_weight, up_bias, down_weight,
                             down_bias):
-    """`sorted_experts_forward` for hidden states in the dtype of the experts' weights."""
+    """The CPU implementation for hidden states in the dtype of the experts' weights."""
     grad_needed = needs_grad(hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias)
     if grad_needed:
         # Tensors made under torch.inference_mode() (cached features) cannot be saved for the backward pass.
@@ -643,5 +620,3 @@ def _sorted_experts_forward(module, hidden_states, top_k_index, top_k_weights, u
     projected = _WORKSPACE.get("projected", (num_pairs, up_features), hidden_states)
     return _experts_forward(*inputs, module, segments, projected)[0]
 
-
-ExpertsInterface.register(IMPLEMENTATION_NAME, sorted_experts_forward)

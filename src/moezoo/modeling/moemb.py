@@ -22,7 +22,7 @@ Two execution modes give the same embeddings:
   §3.14).
 """
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 import dataclasses
 from dataclasses import dataclass
 
@@ -562,7 +562,7 @@ class MoEmbModel(MoEmbPreTrainedModel):
         super().__init__(config)
         self.visual = Qwen3_5MoeVisionModel._from_config(config.vision_config)
         self.language_model = MoEmbTextModel(config.text_config)
-        self.gate_control: GateControl | None = None  # set by `moemb_adaptive.gates.controlled_gates`
+        self.gate_control: GateControl | None = None  # set by `controlled_gates`
         if config.smoes is not None:
             self.language_model.attach_smoes(config.smoes_settings())
         self.post_init()
@@ -700,6 +700,22 @@ class MoEmbModel(MoEmbPreTrainedModel):
             token_types, token_types, image_grid_thw, video_grid_thw, attention_mask=real
         )
         return positions[:, real][:, None, :]
+
+
+@contextmanager
+def controlled_gates(model: nn.Module, control: GateControl):
+    """While active, every forward of the MoEMB backbone inside `model` (a PEFT wrapper too) runs its gates as
+    `control` says (`moemb_adaptive.gates`), and records what they did in `control.record` (reset at each forward)."""
+    backbones = [module for module in model.modules() if isinstance(module, MoEmbModel)]
+    if not backbones:
+        raise ValueError(f"controlled_gates needs a MoEMB model, got {type(model).__name__}")
+    for backbone in backbones:
+        backbone.gate_control = control
+    try:
+        yield control
+    finally:
+        for backbone in backbones:
+            backbone.gate_control = None
 
 
 class MoEmbForEmbedding(MoEmbPreTrainedModel):

@@ -33,16 +33,13 @@ them (`moezoo.training.arguments`).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from datasets import Dataset, concatenate_datasets
 from peft import LoraConfig
 from torch import nn
 from torch.nn import functional as F
@@ -59,7 +56,7 @@ from ..modeling.moe.router import TopKRouter
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
 from ..modeling.moemb import MoEmbForEmbedding
 from ..modeling.smoes.zoo import enable_smoes
-from ..processors.moemb import MoEmbProcessor, mmeb_input
+from ..processors.moemb import MoEmbProcessor
 from ..terminal import console, print_table
 from .arguments import (
     TrainerOptions,
@@ -72,7 +69,6 @@ from .arguments import (
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy, with_every_trainable_parameter
 from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
-from .data import TABLE_FORMATS, load_table
 from .distributed import (
     all_gather_with_grad,
     check_enough_examples,
@@ -81,6 +77,7 @@ from .distributed import (
 )
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
+from .moemb_data import SIDES, load_mmeb_dataset, target_key
 from .moemb_grpo import GRPO_FIELD_HELPS, add_grpo_arguments, run_grpo
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
@@ -95,80 +92,11 @@ from .smoes_hosts import (
     write_modality_routing,
 )
 
-SIDES = ("query", "target", "negative")
-MMEB_COLUMNS = {"query": ("qry", "qry_image_path"), "target": ("pos_text", "pos_image_path"),
-                "negative": ("neg_text", "neg_image_path")}  # fmt: skip
 RECIPES = {"stated": 1e-4, "tuned": 5e-5}
 EXPERT_LORA_MODES = ("shared", "grouped", "per-expert", "none")
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
-
-
-def load_mmeb_dataset(source: str | Path | Dataset, image_root: str | Path | None = None,
-                      negatives: bool = False) -> Dataset:  # fmt: skip
-    """Examples `{"query", "target"[, "negative"], "task"}` of processor inputs from data in MMEB's training format.
-
-    `source` is a table file, a folder of table files (each a task, named after the file), or a `datasets.Dataset`
-    whose image columns hold paths or images. Relative image paths are resolved against `image_root` (default: the
-    folder of the data). With `negatives`, the `neg_text` / `neg_image_path` columns become a hard negative per
-    query. A row with an empty side (neither text nor image) fails, naming the row, when its batch is processed.
-    """
-    sides = SIDES if negatives else SIDES[:2]
-    columns = [column for side in sides for column in MMEB_COLUMNS[side]]
-    if isinstance(source, Dataset):
-        parts, base = [("train", source)], None
-    else:
-        path = Path(source)
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in TABLE_FORMATS) if path.is_dir() else [path]
-        if not files or not all(p.is_file() and p.suffix.lower() in TABLE_FORMATS for p in files):
-            raise FileNotFoundError(
-                f"{source}: expected an MMEB training file ({', '.join(TABLE_FORMATS)}) or a folder of them"
-            )
-        parts = [(p.stem, load_table(p)) for p in files]
-        base = path if path.is_dir() else path.parent
-    tables = []
-    for task, table in parts:
-        missing = [column for column in columns if column not in table.column_names]
-        if missing:
-            raise ValueError(
-                f"{source} ({task}) has no column {', '.join(map(repr, missing))} (columns: "
-                f"{', '.join(table.column_names)}); MMEB's training format has qry, qry_image_path, pos_text, "
-                "pos_image_path" + (" and, for --negatives, neg_text, neg_image_path" if negatives else "")
-            )
-        table = table.select_columns(columns)
-        # "row" only names the row in errors; the examples do not have it.
-        tables.append(table.add_column("task", [task] * len(table)).add_column("row", list(range(len(table)))))
-    dataset = concatenate_datasets(tables)
-    if len(dataset) == 0:
-        raise ValueError(f"{source} holds no examples")
-    root = Path(image_root) if image_root is not None else base
-    return dataset.with_transform(lambda batch: _mmeb_examples(batch, sides, root))
-
-
-def _mmeb_examples(batch: dict, sides: tuple[str, ...], image_root: Path | None) -> dict:
-    examples = {"task": batch["task"]}
-    for side in sides:
-        text_column, image_column = MMEB_COLUMNS[side]
-        examples[side] = [mmeb_input(text, image, image_root) for text, image in
-                          zip(batch[text_column], batch[image_column])]  # fmt: skip
-        for task, row, item in zip(batch["task"], batch["row"], examples[side]):
-            if item["text"] is None and "images" not in item:
-                raise ValueError(
-                    f"data row {row} (counting from 0) of task {task!r} has no {side}: its {text_column} and "
-                    f"{image_column} are both empty"
-                    + (" (--negatives takes a hard negative from every row)" if side == "negative" else "")
-                )
-    return examples
-
-
-def target_key(item: dict) -> int:
-    """A 32-bit checksum of an input's content (texts, image paths or pixels), equal for identical targets and the
-    same in every process (unlike `hash`)."""
-    key = zlib.crc32(repr((item.get("instruction"), item.get("text"))).encode())
-    for image in item.get("images") or []:
-        key = zlib.crc32(image.encode() if isinstance(image, str) else np.asarray(image).tobytes(), key)
-    return key
 
 
 @dataclass

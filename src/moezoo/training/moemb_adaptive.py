@@ -47,7 +47,8 @@ from ..configuration.moemb_adaptive import AdaptiveSettings
 from ..configuration.moemb_gates import GateModules
 from ..modeling.moe.balancing import number_of_processes, sum_over_processes
 from ..modeling.moe.losses import load_balancing_loss
-from ..modeling.moemb_adaptive.gates import GateControl, SharedDraws, attach_gate_modules, controlled_gates
+from ..modeling.moemb import controlled_gates
+from ..modeling.moemb_adaptive.gates import GateControl, SharedDraws, attach_gate_modules
 from ..modeling.moemb_flops import TokenLayerFlops
 from .adapted_sharding import with_every_trainable_parameter
 from .plots import plot_log_history

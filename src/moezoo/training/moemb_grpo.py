@@ -63,7 +63,7 @@ from .. import __version__
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..configuration.moemb_adaptive import EXECUTION_MODES
-from ..modeling.moemb import MoEmbForEmbedding
+from ..modeling.moemb import MoEmbForEmbedding, controlled_gates
 from ..modeling.moe.balancing import sum_over_processes
 from ..modeling.moe.precision import scaled_similarities
 from ..modeling.moemb_adaptive.gates import (
@@ -73,7 +73,6 @@ from ..modeling.moemb_adaptive.gates import (
     GateControl,
     SharedDraws,
     attach_gate_modules,
-    controlled_gates,
 )
 from ..processors.moemb import MoEmbProcessor
 from ..terminal import console
@@ -82,6 +81,7 @@ from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
+from .moemb_data import load_mmeb_dataset, target_key
 from .plots import plot_log_history, save_figure
 from .precision import load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
@@ -465,8 +465,6 @@ class GrpoCollator:
     max_length: int | None = None
 
     def __call__(self, examples: list[dict]) -> dict:
-        from .moemb import target_key
-
         items = [example["query"] for example in examples] + [example["target"] for example in examples]
         return {"inputs": self.processor(items, max_length=self.max_length),
                 "target_keys": torch.tensor([target_key(example["target"]) for example in examples])}  # fmt: skip
@@ -530,8 +528,6 @@ def train_moemb_grpo(
     greedily at inference (`adaptive={"efficiency_policy": "greedy"}` in its config), its processor, the curves of
     reward, FLOPs saving and accuracy (`grpo_curves.png`) and the per-layer skip and drop rates by modality on the
     first examples (`action_rates.png`). Returns the training record (also in the provenance file)."""
-    from .moemb import load_mmeb_dataset
-
     options = options or GrpoOptions()
     options.validate()
     checkpoint = checkpoint_to_resume(out, options)

@@ -1,6 +1,6 @@
 """The shared sparse-MoE core: one implementation of routing and experts for every architecture of the zoo."""
 
-from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
+from ...kernels.moezoo_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
 from ...kernels.triton_experts import IMPLEMENTATION_NAME as TRITON_EXPERTS_IMPLEMENTATION
 from .accounting import ParameterCounts, count_parameters
 from .balancing import balanced_routers, update_routing_biases

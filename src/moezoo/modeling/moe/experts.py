@@ -1,7 +1,7 @@
 """Routed experts as fused 3D parameters in transformers' layout, and the dense MLPs used as shared experts.
 
 The routed expert classes carry `@use_experts_implementation`, so `experts_implementation="eager" | "grouped_mm" |
-"batched_mm" | "moezoo"` (ours, `moezoo.kernels.sorted_experts`) all run on the same parameters, and PEFT's
+"batched_mm" | "moezoo"` (ours, `moezoo.kernels.moezoo_experts`) all run on the same parameters, and PEFT's
 `LoraConfig(target_parameters=[...])` can wrap them. Their own `forward` below is the eager reference: a loop
 over the experts that received tokens.
 """

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
-# Importing the kernel modules registers "moezoo" and "moezoo_triton" in transformers' ExpertsInterface, in exported
-# (flattened) folders too, so `experts_implementation=` either works wherever the model code runs.
-from ...kernels.sorted_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
-from ...kernels.triton_experts import IMPLEMENTATION_NAME as TRITON_EXPERTS_IMPLEMENTATION  # noqa: F401
+# Importing the kernel modules registers "moezoo" and "moezoo_triton" (which "moezoo" imports) in transformers'
+# ExpertsInterface, in exported (flattened) folders too, so `experts_implementation=` either works wherever the model
+# code runs.
+from ...kernels.moezoo_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
 from .block import SparseMoeBlock
 
 

@@ -13,12 +13,12 @@ Modules (created only when `config.gates` asks for them, so other checkpoints ar
 
 Efficiency-head API (what GRPO builds on):
 
-    head.logits(x, drop_allowed)               (T, 3) fp32 logits, DROP = -inf where `drop_allowed` is False
+    head(x, drop_allowed)                      (T, 3) fp32 logits, DROP = -inf where `drop_allowed` is False
     action_log_probs(logits, temperature)       (T, 3) log π(a | x) at a sampling temperature
     sample_actions(log_probs, generator)        (T,) actions drawn from them (ROUTE = 0, SKIP = 1, DROP = 2)
     skip_probability(logits)                    p_skip of the (ROUTE, SKIP) sub-softmax (the learned skip gate)
 
-Running a forward with sampled or forced actions, per token and layer:
+Running a forward with sampled or forced actions, per token and layer (`moezoo.modeling.moemb.controlled_gates`):
 
     control = GateControl(policy="sample", temperature=1.0, generator=torch.Generator().manual_seed(0))
     with controlled_gates(model, control):
@@ -36,7 +36,6 @@ is in `control.record`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -66,8 +65,9 @@ class EfficiencyHead(nn.Linear):
             self.weight.zero_()
             self.bias.copy_(torch.tensor(EFFICIENCY_HEAD_INITS[self.init_name]))
 
-    def logits(self, x: torch.Tensor, drop_allowed: torch.Tensor) -> torch.Tensor:
-        """`(T, 3)` fp32 logits of the tokens `x` `(T, d)`; DROP is -inf where `drop_allowed` `(T,)` is False."""
+    def forward(self, x: torch.Tensor, drop_allowed: torch.Tensor) -> torch.Tensor:
+        """`(T, 3)` fp32 logits of the tokens `x` `(T, d)`; DROP is -inf where `drop_allowed` `(T,)` is False. A
+        forward, so that accelerate's offload hooks bring the weights of an offloaded head."""
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())
         return logits.masked_fill(F.pad(~drop_allowed[:, None], (2, 0)), float("-inf"))
 
@@ -292,21 +292,3 @@ class GateControl:
             raise ValueError("GateControl.policy='forced' needs the actions to replay (GateControl.actions)")
         if not self.temperature > 0 or not self.gumbel_temperature > 0:
             raise ValueError("GateControl.temperature and gumbel_temperature must be > 0")
-
-
-@contextmanager
-def controlled_gates(model: nn.Module, control: GateControl):
-    """While active, every forward of the MoEMB backbone inside `model` (a PEFT wrapper too) runs its gates as
-    `control` says, and records what they did in `control.record` (reset at each forward)."""
-    from ..moemb import MoEmbModel
-
-    backbones = [module for module in model.modules() if isinstance(module, MoEmbModel)]
-    if not backbones:
-        raise ValueError(f"controlled_gates needs a MoEMB model, got {type(model).__name__}")
-    for backbone in backbones:
-        backbone.gate_control = control
-    try:
-        yield control
-    finally:
-        for backbone in backbones:
-            backbone.gate_control = None
