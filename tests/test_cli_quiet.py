@@ -11,7 +11,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from conftest import run_moezoo
-from moezoo.terminal import VERBOSE_VARIABLE, quiet_libraries
+from moezoo.terminal import DEEPSPEED_LOGGER, VERBOSE_VARIABLE, quiet_libraries
 from moezoo.training.synthetic import ColouredShapes
 from moezoo.zoo import create_from_preset
 
@@ -57,12 +57,13 @@ def test_verbose_shows_the_libraries_output_too(training_run):
     assert [line for line in LIBRARY_LINES if line not in output] == []
 
 
-ALL_KINDS = ["transformers logging", "datasets logging", "a transformers bar", "a datasets bar", "FutureWarning"]
+ALL_KINDS = ["transformers logging", "datasets logging", "DeepSpeed logging", "a transformers bar", "a datasets bar",
+             "FutureWarning"]
 
 
 def library_output(capfd, caught: list) -> list[str]:
-    """Which kinds of the library output `quiet_libraries` hides show now: warnings logged by transformers and
-    datasets, their progress bars, and PEFT's FutureWarning (`caught` records the warnings)."""
+    """Which kinds of the library output `quiet_libraries` hides show now: warnings logged by transformers, datasets
+    and DeepSpeed, their progress bars, and PEFT's FutureWarning (`caught` records the warnings)."""
     from datasets.utils import logging as datasets_logging
     from datasets.utils.tqdm import tqdm as datasets_tqdm
 
@@ -75,6 +76,9 @@ def library_output(capfd, caught: list) -> list[str]:
                "datasets logging": datasets_logging.get_logger("datasets.builder")}  # fmt: skip
     shown = capfd.readouterr().err
     shown += " ".join(kind for kind, logger in loggers.items() if logger.isEnabledFor(logging.WARNING))
+    # DeepSpeed's is filtered (it sets its own level when imported), whether DeepSpeed is imported yet or not.
+    warning = logging.LogRecord(DEEPSPEED_LOGGER, logging.WARNING, __file__, 0, "Setting accelerator to CPU", None, None)
+    shown += " DeepSpeed logging" if logging.getLogger(DEEPSPEED_LOGGER).filter(warning) else ""
     shown += " FutureWarning" if caught else ""
     return [kind for kind in ALL_KINDS if kind in shown]
 

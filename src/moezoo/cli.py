@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of errors (as does the environment variable MOEZOO_DEBUG=1)")
     parser.add_argument("--verbose", action="store_true",
-                        help="also show the progress bars, logging and warnings of transformers, datasets and "
-                             "huggingface_hub, hidden by default (as does MOEZOO_VERBOSE=1)")
+                        help="also show the progress bars, logging and warnings of transformers, datasets, "
+                             "huggingface_hub and DeepSpeed, hidden by default (as does MOEZOO_VERBOSE=1)")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_list(commands)
     _add_create(commands)

@@ -3,6 +3,7 @@ one place."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -76,9 +77,9 @@ def quiet_libraries() -> Iterator[None]:
     datasets' logging below errors (LOAD REPORT tables of keys a converter drops on purpose, the `causal_conv1d` and
     `chunk_gated_delta_rule` fall-back notices of Qwen3.5's Gated DeltaNet layers), the progress bars of transformers
     ("Loading weights", "Writing model shards"), huggingface_hub (downloads) and datasets ("Generating train split",
-    "Map", "Filter", "Creating json from Arrow format"), and `LIBRARY_WARNINGS`. Errors still show. Every command
-    runs inside it, and converters load their sources inside it when called from Python; with `moezoo --verbose` (or
-    `MOEZOO_VERBOSE=1`) it does nothing.
+    "Map", "Filter", "Creating json from Arrow format"), DeepSpeed's logging below errors (`_quiet_deepspeed`), and
+    `LIBRARY_WARNINGS`. Errors still show. Every command runs inside it, and converters load their sources inside it
+    when called from Python; with `moezoo --verbose` (or `MOEZOO_VERBOSE=1`) it does nothing.
     """
     if verbose_requested():
         yield
@@ -95,6 +96,7 @@ def quiet_libraries() -> Iterator[None]:
             transformers_logging.disable_progress_bar()  # huggingface_hub's bars too
             restore.callback(transformers_logging.enable_progress_bar)
         restore.enter_context(_quiet_datasets())
+        restore.enter_context(_quiet_deepspeed())
         yield
 
 
@@ -129,3 +131,27 @@ def _quiet_datasets() -> Iterator[None]:
         datasets_utils.logging.set_verbosity(verbosity)
         if bars_enabled:
             datasets_utils.enable_progress_bars()
+
+
+# DeepSpeed's logger, which writes to stdout.
+DEEPSPEED_LOGGER = "DeepSpeed"
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+@contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """
+    DeepSpeed's part of `quiet_libraries`. Where DeepSpeed is installed, accelerate imports it in every
+    `save_pretrained` (to unwrap a `DeepSpeedEngine`), not only under `--deepspeed`, and DeepSpeed's import logs which
+    accelerator it found ("Setting accelerator to CPU" on a machine without a GPU). A filter rather than a level:
+    DeepSpeed sets its logger's level when it is imported, which may be later, inside the command.
+    """
+    logger = logging.getLogger(DEEPSPEED_LOGGER)
+    logger.addFilter(_errors_only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_errors_only)
