@@ -1,8 +1,9 @@
 """Issue 3's acceptance test, for every architecture in moezoo's catalogue:
 
 `moezoo create` of its tiny preset then `moezoo export`, then a fresh process in which `import moezoo` fails loads the folder
-with AutoConfig, every Auto model class the architecture serves and AutoProcessor, gets weights identical to the
-created model, and runs the model card's usage example (a forward on the processor's output for synthetic input).
+with AutoConfig, every Auto model class the architecture serves (AutoModel always among them, as for transformers' own
+models) and AutoProcessor, gets weights identical to the created model, and runs the model card's usage example (a
+forward on the processor's output for synthetic input).
 
 Starting Python with torch and transformers costs more than the tiny models, so every architecture shares two fresh
 processes (a module fixture) instead of five of its own: one runs the `moezoo` command's entry point for each and
@@ -52,6 +53,7 @@ CREATE_AND_EXPORT = textwrap.dedent("""
                                          "--repo-id", case["repo_id"]])
                 model = getattr(transformers, case["model_class"]).from_pretrained(case["exported"])
                 record["module"] = type(model).__module__
+                record["auto_model_module"] = type(transformers.AutoModel.from_pretrained(case["exported"])).__module__
         except Exception:
             record["error"] = traceback.format_exc()
         record["output"] = output.getvalue()
@@ -73,6 +75,7 @@ LOAD_WITHOUT_MOEZOO = textwrap.dedent("""
         path = case["exported"]
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
         assert config.model_type == case["architecture"], config.model_type
+        assert "AutoModel" in config.auto_map, config.auto_map
         for auto in case["auto_classes"]:
             getattr(transformers, auto).from_pretrained(path, trust_remote_code=True)
         model = getattr(transformers, case["model_class"]).from_pretrained(path, trust_remote_code=True)
@@ -137,4 +140,6 @@ def test_create_export_and_load_without_moezoo(architecture, zoo):
 
     # With moezoo installed, the same folder loads moezoo's own classes, no remote code involved.
     assert record.get("module", "").startswith("moezoo.modeling."), record.get("error", record.get("module"))
+    assert record["auto_model_module"].startswith("moezoo.modeling."), record["auto_model_module"]
+    assert "AutoModel" in json.loads(open(f"{exported}/config.json").read())["auto_map"]
     assert json.loads(open(f"{exported}/moezoo.json").read())["preset"] == tiny_preset(architecture)

@@ -335,7 +335,7 @@ def test_cli_options_reach_the_glm_ocr_converter(glm_source):
     mote_glm_ocr.add_arguments(parser)
     options = vars(parser.parse_args(["--experts", "ocr,kie:read receipts,table", "--construction", "copy_half"]))
     assert options["experts"] == {"ocr": None, "kie": "read receipts", "table": None}
-    assert options["default_route"] == "ocr" and options["verify"] and options["dtype"] == "float32"
+    assert options["default_route"] == "ocr" and options["verify"] and options["dtype"] is None  # the source's
     result = mote_glm_ocr.convert(folder, **options)
     assert result.processor is None  # the tiny source has no tokenizer
     assert result.provenance["max_abs_diff"] == 0.0 and result.provenance["construction"] == "copy_half"

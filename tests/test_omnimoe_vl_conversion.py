@@ -4,6 +4,7 @@ and the errors bad sources raise before anything is written."""
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -337,3 +338,45 @@ def test_command_line_options_reach_the_converter(sources):
     config = result.model.config
     assert config.vision_feature_layers == TAPS and config.image_token_id == TOKENS["image_token_id"]
     assert all(getattr(config, name) == value for name, value in PROJECTOR.items())
+
+
+def qwen3_with_tokenizer(sources, folder, special_tokens):
+    """The Qwen3 source with a 160-token tokenizer holding `special_tokens` (token -> id)."""
+    from moezoo.processors.tiny_tokenizers import build_tiny_qwen_tokenizer
+
+    shutil.copytree(sources / "qwen3", folder)
+    build_tiny_qwen_tokenizer(QWEN3["vocab_size"], {"<|endoftext|>": 0, **special_tokens}).save_pretrained(folder)
+    return folder
+
+
+def test_vision_token_ids_come_from_the_source_tokenizer(sources, tmp_path):
+    """Issue 29: the released Qwen3's ids (151655, ...) do not fit a 160-token source; its own tokenizer's do."""
+    ids = {"<|image_pad|>": 150, "<|vision_start|>": 151, "<|vision_end|>": 152}
+    text = qwen3_with_tokenizer(sources, tmp_path / "qwen3", ids)
+    convert_omnimoe_vl_checkpoints(text, sources / "siglip", tmp_path / "out", vision_feature_layers=TAPS,
+                                   projector=PROJECTOR)
+    config = OmniMoeVlConfig.from_pretrained(tmp_path / "out")
+    assert (config.image_token_id, config.vision_start_token_id, config.vision_end_token_id) == (150, 151, 152)
+
+
+def test_a_vision_token_the_source_tokenizer_lacks_is_named_with_its_option(sources, tmp_path):
+    text = qwen3_with_tokenizer(sources, tmp_path / "qwen3", {"<|vision_start|>": 151, "<|vision_end|>": 152})
+    with pytest.raises(ValueError, match=r"has no <\|image_pad\|> in its tokenizer.*--image-token-id"):
+        convert_omnimoe_vl_checkpoints(text, sources / "siglip", tmp_path / "out", vision_feature_layers=TAPS,
+                                       projector=PROJECTOR)
+    with pytest.raises(ValueError, match=r"has no tokenizer.*--image-token-id"):
+        convert_omnimoe_vl_checkpoints(sources / "qwen3", sources / "siglip", tmp_path / "out",
+                                       vision_feature_layers=TAPS, projector=PROJECTOR)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_source_is_written_in_bf16_unless_dtype_says_otherwise(sources, tmp_path):
+    text = tmp_path / "qwen3-bf16"
+    Qwen3ForCausalLM.from_pretrained(sources / "qwen3", dtype=torch.bfloat16).save_pretrained(text)
+    for dtype, written in ((None, torch.bfloat16), ("float32", torch.float32)):
+        out = tmp_path / f"out-{dtype}"
+        convert_omnimoe_vl_checkpoints(text, sources / "siglip", out, vision_feature_layers=TAPS, projector=PROJECTOR,
+                                       dtype=dtype, **TOKENS)
+        assert {tensor.dtype for tensor in load_file(out / "model.safetensors").values()
+                if tensor.is_floating_point()} == {written}  # fmt: skip
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(written).removeprefix("torch.")

@@ -115,19 +115,33 @@ def _add_list(commands) -> None:
         """
         moezoo list
         moezoo list --json
+        moezoo list --memory
         """,
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of presets")
+    parser.add_argument("--memory", action="store_true",
+                        help="also the size of each preset's model on disk (and to load) in every dtype, counted "
+                             "on the meta device")
     parser.set_defaults(run=_run_list)
 
 
 def _run_list(args) -> int:
     from .terminal import print_table
+    from .conversion.cost import human_bytes
     from .zoo import human_count, list_presets
 
-    summaries = list_presets()
+    summaries = list_presets(memory=args.memory)
     if args.json:
         print(json.dumps([summary.as_dict() for summary in summaries], indent=2))
+        return 0
+    if args.memory:
+        dtypes = list(summaries[0].size_bytes) if summaries else []
+        print_table(
+            "moezoo presets: size on disk (and to load) by dtype",
+            ["name", "architecture", "total params", *dtypes],
+            [[s.name, s.architecture, human_count(s.total_parameters), *map(human_bytes, s.size_bytes.values())]
+             for s in summaries],
+        )
         return 0
     print_table(
         "moezoo presets",
@@ -185,6 +199,7 @@ def _add_convert(commands) -> None:
         moezoo convert --to moe_vie --from facebook/MoEViE-B16-224 --out moe-vie-b16
         moezoo convert --to moe_vie --from ./siglip2-base --out upcycled --num-experts 32 --top-k 3
         moezoo convert --to mote --from zai-org/GLM-OCR --out glm-ocr-mote --experts ocr,kie:"read receipts"
+        moezoo convert --to moemb --from Qwen/Qwen3.5-35B-A3B --out moemb-a3b --dtype bfloat16 --dry-run
         """,
         add_help=False,
     )
@@ -196,6 +211,9 @@ def _add_convert(commands) -> None:
     parser.add_argument("--out")
     parser.add_argument("--variant", help="the design to convert into, for architectures that have several")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="say what the conversion will cost (parameters, size on disk, peak memory) from the "
+                             "sources' configs and headers, without reading a weight or writing anything")
     parser.set_defaults(run=_run_convert, convert_parser=parser)
 
 
@@ -215,7 +233,8 @@ def _converter_options_parser(converter, architecture: str) -> argparse.Argument
 def _run_convert(args) -> int:
     from pathlib import Path
 
-    from .conversion.common import find_converter, local_source, source_kind, write_conversion
+    from .conversion.common import find_converter, write_conversion
+    from .conversion.cost import check_disk_space, conversion_cost
     from .hub.folders import atomic_output_dir
     from .registry import CONVERTERS, architectures_named, resolve
     from .terminal import console, print_table
@@ -237,20 +256,25 @@ def _run_convert(args) -> int:
              for c in CONVERTERS.values()],
         )
         return 0
-    missing = [flag for flag, value in (("--to", args.architecture), ("--from", args.source), ("--out", args.out))
-               if not value]
+    required = (("--to", args.architecture), ("--from", args.source)) + (() if args.dry_run else (("--out", args.out),))
+    missing = [flag for flag, value in required if not value]
     if missing:
         raise ValueError(f"convert needs {', '.join(missing)} (or --list)")
+    if args.dry_run:
+        source, _, converter, options = _chosen_converter(args)
+        cost = conversion_cost(converter, source, options)
+        if cost is None:
+            raise ValueError(f"{converter.name} cannot say what it will cost: it has no plan function (Converter.plan)")
+        _print_cost(cost, args.out)
+        return 0
     targets = [architecture.name for architecture in architectures_named(args.architecture)]
     # The output folder is claimed first, so that a taken --out fails before a download and a conversion that can
     # take hours, not after them.
     with atomic_output_dir(args.out, overwrite=args.overwrite) as staging:
-        source = local_source(args.source)
-        kind = source_kind(source)
-        converter = find_converter(args.architecture, kind, args.variant)
-        options = vars(_converter_options_parser(converter, args.architecture).parse_args(args.converter_args))
-        if args.variant:
-            options["variant"] = args.variant
+        source, kind, converter, options = _chosen_converter(args)
+        cost = conversion_cost(converter, source, options)
+        if cost is not None:
+            check_disk_space(staging, cost.disk_bytes)
         with console.status(escape(f"converting {args.source} with {converter.name}")):
             result = resolve(converter.function)(source, **options)
         produced = result.model.config.model_type
@@ -268,6 +292,41 @@ def _run_convert(args) -> int:
         [[str(args.source), converter.name, result.provenance.get("max_abs_diff"), str(Path(args.out))]],
     )
     return 0
+
+
+def _chosen_converter(args):
+    """The source (downloaded if a Hub id), its kind, the converter that takes it and the converter's parsed options."""
+    from .conversion.common import find_converter, local_source, source_kind
+
+    source = local_source(args.source)
+    kind = source_kind(source)
+    converter = find_converter(args.architecture, kind, args.variant)
+    options = vars(_converter_options_parser(converter, args.architecture).parse_args(args.converter_args))
+    if args.variant:
+        options["variant"] = args.variant
+    return source, kind, converter, options
+
+
+def _print_cost(cost, out: str | None) -> None:
+    """The cost of a conversion as a table, with how the peak memory is estimated and, given --out, the space there."""
+    from .conversion.cost import free_disk_space, human_bytes
+    from .terminal import console, print_table
+    from .zoo import human_count
+
+    row = [cost.converter, cost.architecture, human_count(cost.parameters), str(cost.dtype).removeprefix("torch."),
+           human_bytes(cost.disk_bytes), human_bytes(cost.peak_memory_bytes)]
+    columns = ["converter", "into", "parameters", "dtype", "on disk", "peak memory"]
+    if out:
+        folder, free = free_disk_space(out)
+        columns.append(f"free at {folder}")
+        row.append(f"{human_bytes(free)} ({'enough' if free >= cost.disk_bytes else 'NOT enough'})")
+    print_table("what the conversion will cost (no weight read)", columns, [row])
+    console.print(
+        f"peak memory = 2 x the largest source tensor ({cost.largest_source_tensor}, "
+        f"{human_bytes(cost.largest_source_tensor_bytes)}) + one output shard ({human_bytes(cost.output_shard_bytes)}),"
+        " as the conversion streams tensor by tensor; Python and torch add a few hundred MB",
+        markup=False,
+    )
 
 
 def _add_export(commands) -> None:

@@ -95,6 +95,9 @@ class Converter:
     variants: tuple[str, ...] = ()
     # "module:function(parser)" adding the converter's own command-line options.
     add_arguments: str | None = None
+    # "module:function(source: Path, **options) -> moezoo.conversion.cost.PlannedOutput": the output's config and the
+    # checkpoints read, from configs and headers alone (`moezoo convert --dry-run`, the disk-space check).
+    plan: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

@@ -38,6 +38,8 @@ class PresetSummary:
     claimed_active_parameters: int | None = None
     claim_source: str | None = None
     claim_parts: tuple[PartCount, ...] = ()
+    # With `memory`: the bytes the model takes on disk (and to load) by dtype name.
+    size_bytes: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         return self.__dict__ | {"base_checkpoints": list(self.base_checkpoints),
@@ -88,7 +90,20 @@ def _count_modules(model, names: tuple[str, ...]) -> ParameterCounts | None:
     return ParameterCounts(sum(p.total for p in parts), sum(p.active for p in parts)) if parts else None
 
 
-def list_presets() -> list[PresetSummary]:
+def preset_sizes(preset: Preset) -> dict[str, int]:
+    """The bytes the preset's model takes on disk (and to load) in each dtype a conversion writes, by dtype name:
+    counted on the model built on the meta device."""
+    from .conversion.cost import stored_bytes
+    from .conversion.dtypes import DTYPES
+
+    with torch.device("meta"):
+        model = get_architecture(preset.architecture).model_class()(build_config(preset))
+    sizes = stored_bytes(model, list(DTYPES.values()))
+    return {name: sizes[dtype] for name, dtype in DTYPES.items()}
+
+
+def list_presets(memory: bool = False) -> list[PresetSummary]:
+    """Every preset with its parameter counts (and, with `memory`, its size in each dtype)."""
     summaries = []
     for preset in PRESETS.values():
         counts, paper_counts, part_counts = preset_parameters(preset)
@@ -101,6 +116,7 @@ def list_presets() -> list[PresetSummary]:
                 paper_counts.total if paper_counts else None, paper_counts.active if paper_counts else None,
                 claim.total if claim else None, claim.active if claim else None, claim.source if claim else None,
                 tuple(PartCount(label, part.total, part.active) for label, part in part_counts.items()),
+                preset_sizes(preset) if memory else None,
             )
         )
     return summaries

@@ -33,6 +33,8 @@ from ..modeling.moe_vie import MoeVieModel, rope_2d_inverse_frequencies
 from ..hub.sources import TOKENIZER_FILES, locate
 from ..processors.build import CLIP_TOKENIZER_REPO, load_clip_tokenizer, make_moe_vie_processor
 from .common import ConversionResult, option_name
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, checkpoint_tensors, load_checked, output_dtype
 
 
 LICENSE = "cc-by-nc-4.0"
@@ -47,7 +49,7 @@ Transform = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 def convert_official_checkpoint(
     path: str | Path,
     open_clip_config: str | Path | Mapping | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[MoeVieModel, dict]:
     """Convert an official MoE-ViE checkpoint (a `.pt` file, or a folder holding one) into a `MoeVieModel`.
 
@@ -56,7 +58,8 @@ def convert_official_checkpoint(
         open_clip_config: the official OpenCLIP model config (a JSON file or its parsed dict); by default
             `open_clip_config.json` or `<checkpoint name>.json` beside the checkpoint, if there is one. Needed only
             for checkpoints whose shapes match none of the released configurations.
-        dtype: the dtype of the returned model; the balancing biases stay fp32 whatever it is.
+        dtype: the dtype of the returned model (default: the checkpoint's); the balancing biases stay fp32 whatever
+            it is.
 
     Returns:
         The model in eval mode, and a report: the source, the configuration's origin, the key accounting
@@ -67,21 +70,19 @@ def convert_official_checkpoint(
             or has tensors that disagree with each other or with the given config.
     """
     checkpoint_file = _checkpoint_file(Path(path))
-    if open_clip_config is None:
-        beside = [checkpoint_file.with_name(OPEN_CLIP_CONFIG_NAME), checkpoint_file.with_suffix(".json")]
-        open_clip_config = next((candidate for candidate in beside if candidate.is_file()), None)
-    model_cfg = _read_open_clip_config(open_clip_config) if open_clip_config is not None else None
+    open_clip_config, model_cfg = _open_clip_config_of(checkpoint_file, open_clip_config)
 
     state_dict = load_official_state_dict(checkpoint_file)
     config, config_origin = infer_official_config(state_dict, model_cfg)
     hf_state_dict, accounting = convert_state_dict(state_dict, config)
+    dtype = output_dtype(dtype, checkpoint_file)
 
     with no_init_weights():
         model = MoeVieModel(config)
     model.to(dtype)
     for router in (module for module in model.modules() if isinstance(module, TopKRouter)):
         router.e_score_correction_bias = router.e_score_correction_bias.float()
-    model.load_state_dict(hf_state_dict, strict=True)
+    load_checked(model, hf_state_dict, strict=True)
     model.eval()
 
     vision = count_parameters(model.vision_model)
@@ -111,6 +112,25 @@ def convert_official_checkpoint(
         ],
     }
     return model, report
+
+
+def _open_clip_config_of(checkpoint_file: Path, open_clip_config: str | Path | Mapping | None):
+    """The OpenCLIP config given, or found beside the checkpoint (None without one), and its parsed content."""
+    if open_clip_config is None:
+        beside = [checkpoint_file.with_name(OPEN_CLIP_CONFIG_NAME), checkpoint_file.with_suffix(".json")]
+        open_clip_config = next((candidate for candidate in beside if candidate.is_file()), None)
+    return open_clip_config, _read_open_clip_config(open_clip_config) if open_clip_config is not None else None
+
+
+def plan_output(source: Path, open_clip_config: str | None = None, **_other_options) -> PlannedOutput:
+    """What `convert` writes, from the checkpoint's tensor shapes alone (`torch.load(mmap=True)` reads no tensor data):
+    `moezoo convert --dry-run` and the disk-space check."""
+    checkpoint_file = _checkpoint_file(Path(source))
+    _, model_cfg = _open_clip_config_of(checkpoint_file, open_clip_config)
+    shapes = {key.removeprefix("module."): torch.empty(header.shape, dtype=header.dtype, device="meta")
+              for key, header in checkpoint_tensors(checkpoint_file).items()}  # fmt: skip
+    config, _ = infer_official_config(shapes, model_cfg)
+    return PlannedOutput(config, (checkpoint_file,))
 
 
 def load_official_state_dict(checkpoint_file: str | Path) -> dict[str, torch.Tensor]:
@@ -556,14 +576,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--open-clip-config", help="the official model-config JSON (e.g. MoEViE-B16-224.json)")
     parser.add_argument("--tokenizer", default=None,
                         help=f"a CLIP tokenizer folder or Hub id (default: {CLIP_TOKENIZER_REPO})")
+    add_dtype_argument(parser)
 
 
-def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | None = None) -> ConversionResult:
+def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | None = None,
+            dtype: str | None = None) -> ConversionResult:
     """The converter behind the command: the model, the official preprocessing and CLIP's tokenizer."""
     # Found before the conversion, which takes minutes at paper scale: a tokenizer that cannot be had fails at once.
     tokenizer_folder = locate(tokenizer or CLIP_TOKENIZER_REPO, "CLIP's tokenizer",
                               how="pass --tokenizer with a local CLIP tokenizer folder", allow_patterns=TOKENIZER_FILES)
-    model, report = convert_official_checkpoint(source, open_clip_config=open_clip_config)
+    model, report = convert_official_checkpoint(source, open_clip_config=open_clip_config, dtype=dtype)
     text_config = model.config.text_config
     processor = make_moe_vie_processor(
         model.config,

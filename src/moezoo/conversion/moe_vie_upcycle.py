@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoModel, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel
 from transformers.image_utils import PILImageResampling
 from transformers.initialization import no_init_weights
 
@@ -37,6 +37,8 @@ from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe_vie import MoeVieModel
 from ..processors.build import make_moe_vie_processor
 from .common import ConversionResult, option_name
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, cast_model, load_checked, output_dtype
 
 
 SOURCE_MODEL_TYPES = ("siglip", "siglip2")
@@ -57,6 +59,7 @@ def upcycle_siglip_checkpoint(
     router_bias: float = 1.0,
     seed: int = 0,
     verify: bool = True,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[MoeVieModel, dict]:
     """Upcycle a SigLIP or SigLIP2 dual encoder into a `MoeVieModel`.
 
@@ -71,29 +74,27 @@ def upcycle_siglip_checkpoint(
         router_bias: the selection bias delta of the designated and null experts; >= 1 keeps the initial routes
             in noisy mode too, since affinities lie in (0, 1).
         verify: run both models on a synthetic batch with padding and report the largest differences.
+        dtype: of the returned model (default: the source's); the balancing biases stay fp32 whatever it is.
 
     Returns:
         The model in eval mode and a report (source, options, key accounting, parameter counts, licence and the
         measured `max_abs_diff` against the source).
     """
-    source_model = _load_source(source)
+    source_model = _load_source(source)  # in fp32: the dtype is the checkpoint's, a given model's its own
+    dtype = output_dtype(dtype, source if isinstance(source, PreTrainedModel) else Path(source))
     source_config = source_model.config
-    vision_source = source_config.vision_config
-    if moe_layers is None:
-        moe_layers = list(range(1, vision_source.num_hidden_layers))
-    plan = _UpcyclingPlan(vision_source.intermediate_size, num_experts, granularity, top_k, n_shared_experts)
+    config, plan = _upcycled_config(source_config, num_experts, granularity, top_k, n_shared_experts, moe_layers)
     _check_options(mode, router_std, router_bias)
     router_std = router_std if mode == "noisy" else 0.0
-    config = _moe_vie_config(source_config, plan, moe_layers)
 
     with no_init_weights():
-        model = MoeVieModel(config)
+        model = cast_model(MoeVieModel(config), dtype, check=False)
     generator = torch.Generator().manual_seed(seed)
     state_dict, accounting = _upcycled_state_dict(
         source_model.state_dict(), set(model.state_dict()), plan, set(config.vision_config.moe_layers), router_std,
         router_bias, generator,
     )
-    model.load_state_dict(state_dict, strict=True)
+    load_checked(model, state_dict, strict=True)
     model.eval()
 
     differences = _measure_differences(source_model, model) if verify else None
@@ -130,6 +131,26 @@ def upcycle_siglip_checkpoint(
             "interpolate_pos_encoding differs at other resolutions, so outputs are identical at the native grid only."
         )
     return model, report
+
+
+def _upcycled_config(source_config, num_experts, granularity, top_k, n_shared_experts, moe_layers):
+    """The MoE-ViE config of a SigLIP config and the upcycling options, and the plan of which chunk each expert
+    holds."""
+    vision_source = source_config.vision_config
+    if moe_layers is None:
+        moe_layers = list(range(1, vision_source.num_hidden_layers))
+    plan = _UpcyclingPlan(vision_source.intermediate_size, num_experts, granularity, top_k, n_shared_experts)
+    return _moe_vie_config(source_config, plan, moe_layers), plan
+
+
+def plan_output(source: Path, num_experts: int = 32, granularity: int = 4, top_k: int = 3, n_shared_experts: int = 1,
+                moe_layers: list[int] | None = None, **_other_options) -> PlannedOutput:
+    """What `convert` writes, from the source's config.json alone (`moezoo convert --dry-run`, the disk-space
+    check)."""
+    source_config = AutoConfig.from_pretrained(str(source))
+    _check_model_type(source_config.model_type)
+    config, _ = _upcycled_config(source_config, num_experts, granularity, top_k, n_shared_experts, moe_layers)
+    return PlannedOutput(config, (Path(source),))
 
 
 class _UpcyclingPlan:
@@ -184,17 +205,20 @@ def _load_source(source: str | Path | PreTrainedModel) -> PreTrainedModel:
     if not isinstance(source, PreTrainedModel):
         check_safetensors(Path(source))  # transformers' error for a corrupt file would not name it
         source = AutoModel.from_pretrained(str(source), dtype=torch.float32)
-    model_type = source.config.model_type
-    if model_type not in SOURCE_MODEL_TYPES:
-        raise ValueError(
-            f"cannot upcycle a {model_type!r} model: the sources are SigLIP (model_type 'siglip') and SigLIP2 "
-            "('siglip2') dual encoders"
-        )
+    _check_model_type(source.config.model_type)
     if not (hasattr(source, "vision_model") and hasattr(source, "text_model")):
         raise ValueError(f"{type(source).__name__} is not a dual encoder: upcycle the full SiglipModel/Siglip2Model")
     if not getattr(source.config.vision_config, "vision_use_head", True):
         raise ValueError("the source vision tower has no attention-pooling head (vision_use_head=False)")
     return source
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in SOURCE_MODEL_TYPES:
+        raise ValueError(
+            f"cannot upcycle a {model_type!r} model: the sources are SigLIP (model_type 'siglip') and SigLIP2 "
+            "('siglip2') dual encoders"
+        )
 
 
 def _moe_vie_config(source_config, plan: _UpcyclingPlan, moe_layers: list[int]) -> MoeVieConfig:
@@ -365,6 +389,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--router-std", type=float, default=1e-3, help="router init std of --mode noisy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder or Hub id (default: the source's)")
+    add_dtype_argument(parser)
 
 
 def convert(source: Path, tokenizer: str | None = None, **options) -> ConversionResult:

@@ -29,6 +29,7 @@ an existing MoEMB folder given as `--from` (converter `moemb-prune-experts`).
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,12 +37,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..configuration.moemb import MoEmbConfig
 from ..hub.folders import read_provenance
 from ..modeling.moe.block import SparseMoeBlock
 from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.moemb import MoEmbProcessor
 from ..training.moemb_data import load_mmeb_dataset
 from .common import ConversionResult, option_name
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, cast_model, output_dtype
 
 
 SALIENCY_METHODS = {
@@ -348,14 +352,36 @@ def add_pruning_arguments(parser: argparse.ArgumentParser, required: bool = Fals
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pruning_arguments(parser, required=True)
+    add_dtype_argument(parser)
 
 
-def convert(source: Path, **options) -> ConversionResult:
-    """The converter behind the command for a MoEMB source: prune its experts into a new folder."""
+def pruned_config(config: MoEmbConfig, keep: int) -> MoEmbConfig:
+    """The config of the model pruned to `keep` experts per layer, known before calibrating (its kept ids are not)."""
+    check_keep(config, keep)
+    pruned = copy.deepcopy(config)
+    pruned.text_config.num_experts = keep
+    return pruned
+
+
+def _requested_pruning(options: dict) -> ExpertPruning:
     pruning = ExpertPruning.pop_from(options)
     if pruning is None:
         raise ValueError(f"a MoEMB source is converted by pruning its experts: pass {option_name('prune_experts')}")
+    return pruning
+
+
+def plan_output(source: Path, **options) -> PlannedOutput:
+    """What `convert` writes, from the source's config alone (`moezoo convert --dry-run`, the disk-space check)."""
+    keep = _requested_pruning(options).keep
+    return PlannedOutput(pruned_config(MoEmbConfig.from_pretrained(source), keep), (Path(source),))
+
+
+def convert(source: Path, dtype: str | None = None, **options) -> ConversionResult:
+    """The converter behind the command for a MoEMB source: prune its experts into a new folder, in `dtype` (default:
+    the source's)."""
+    pruning = _requested_pruning(options)
     model = MoEmbForEmbedding.from_pretrained(source, dtype="auto").eval()
+    cast_model(model, output_dtype(dtype, model))
     processor = MoEmbProcessor.from_pretrained(source)
     report = pruning.apply(model, processor)
     source_provenance = read_provenance(source)

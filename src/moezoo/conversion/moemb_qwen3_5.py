@@ -42,14 +42,15 @@ from ..modeling.moemb import MoEmbForEmbedding
 from ..processors.build_moemb import make_moemb_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult, option_name
-from .moemb_expert_pruning import ExpertPruning, add_pruning_arguments
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, output_dtype
+from .moemb_expert_pruning import ExpertPruning, add_pruning_arguments, pruned_config
 from .streaming import Build, ShardWriter, SourceCheckpoint, TensorGroup, check_plan, stream_groups
 
 
 VARIANTS = ("native", "upcycled", "modality")
 SOURCE_MODEL_TYPE = {"native": "qwen3_5_moe", "upcycled": "qwen3_5", "modality": "qwen3_5"}
 LICENSE = "apache-2.0"  # the Qwen3.5 releases
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The processor's inputs besides the tokenizer, copied as they are.
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.jinja",
                    "chat_template.json")
@@ -104,31 +105,15 @@ def convert_qwen3_5_checkpoint(
             (with the tensors named), or options that break exactness at initialisation.
         FileNotFoundError: no config.json or no safetensors weights.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"{option_name('variant', variant)} is not one of {', '.join(map(repr, VARIANTS))}")
-    _check_variant_options(variant, num_experts, granularity, top_k, router_init, modality_map)
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(
-            f"{option_name('dtype', dtype)} is not one of {', '.join(map(repr, DTYPES))} (or None to keep the source's)"
-        )
     source, output = Path(source), Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} is not empty: convert into a new or empty folder")
-    checkpoint = SourceCheckpoint(source, "the source")
-    _check_source_type(checkpoint.model_type, variant)
-
-    tokenizer, emb_token_id, real_vocab_size = _prepare_tokenizer(source, emb_token, emb_token_id)
-    text_config = checkpoint.config["text_config"]
-    vocab_size = text_config["vocab_size"]
-    if real_vocab_size is None:  # no tokenizer: every row of the source matrix counts as a real token
-        real_vocab_size = vocab_size
-    if emb_token_id >= vocab_size:
-        # Spec §5.3: grow the embedding matrix to a multiple of 64 that holds the new id.
-        vocab_size = math.ceil((emb_token_id + 1) / 64) * 64
-    upcycling = _UpcyclingPlan.from_options(text_config, num_experts, granularity, top_k, router_init) if (
-        variant == "upcycled") else None
-    expert_map = _parse_modality_map(modality_map) if variant == "modality" else None
-    config = _moemb_config(checkpoint.config, variant, emb_token, emb_token_id, vocab_size, upcycling, expert_map)
+    checkpoint, tokenizer, config, real_vocab_size, upcycling, expert_map = _source_and_config(
+        source, variant, emb_token, emb_token_id, num_experts, granularity, top_k, router_init, modality_map
+    )
+    dtype = output_dtype(dtype, source)
+    text_config, emb_token_id, vocab_size = checkpoint.config["text_config"], config.emb_token_id, (
+        config.text_config.vocab_size)
 
     groups, dropped = _plan(checkpoint, config, variant, upcycling, expert_map, real_vocab_size, seed)
     with torch.device("meta"):
@@ -136,12 +121,12 @@ def convert_qwen3_5_checkpoint(
     check_plan([checkpoint], groups, [key for keys in dropped.values() for key in keys], expected, "MoEMB")
 
     output.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), DTYPES.get(dtype))
+    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), dtype)
     for key, tensor in stream_groups([checkpoint], groups):
         writer.add(key, tensor)
     writer.finish()
     config.architectures = [MoEmbForEmbedding.__name__]
-    config.dtype = writer.dtype_written
+    config.dtype = dtype
     config.save_pretrained(output)
     copied_processor_files = []
     if tokenizer is not None:
@@ -157,7 +142,7 @@ def convert_qwen3_5_checkpoint(
         "source": str(source),
         "source_model_type": checkpoint.model_type,
         "variant": variant,
-        "dtype": str(writer.dtype_written).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "license": LICENSE,
         "emb_token": emb_token,
         "emb_token_id": emb_token_id,
@@ -175,6 +160,42 @@ def convert_qwen3_5_checkpoint(
         },
         "processor_files": ["tokenizer"] + copied_processor_files if tokenizer is not None else [],
     }
+
+
+def _source_and_config(source: Path, variant, emb_token, emb_token_id, num_experts, granularity, top_k, router_init,
+                       modality_map):  # fmt: skip
+    """The source's headers, its tokenizer with `<emb>`, the MoEMB config they convert into, how many embedding rows
+    are real tokens, and the variant's plan: what the conversion knows before reading a weight."""
+    if variant not in VARIANTS:
+        raise ValueError(f"{option_name('variant', variant)} is not one of {', '.join(map(repr, VARIANTS))}")
+    _check_variant_options(variant, num_experts, granularity, top_k, router_init, modality_map)
+    checkpoint = SourceCheckpoint(source, "the source")
+    _check_source_type(checkpoint.model_type, variant)
+    tokenizer, emb_token_id, real_vocab_size = _prepare_tokenizer(source, emb_token, emb_token_id)
+    text_config = checkpoint.config["text_config"]
+    vocab_size = text_config["vocab_size"]
+    if real_vocab_size is None:  # no tokenizer: every row of the source matrix counts as a real token
+        real_vocab_size = vocab_size
+    if emb_token_id >= vocab_size:
+        # Spec §5.3: grow the embedding matrix to a multiple of 64 that holds the new id.
+        vocab_size = math.ceil((emb_token_id + 1) / 64) * 64
+    upcycling = _UpcyclingPlan.from_options(text_config, num_experts, granularity, top_k, router_init) if (
+        variant == "upcycled") else None
+    expert_map = _parse_modality_map(modality_map) if variant == "modality" else None
+    config = _moemb_config(checkpoint.config, variant, emb_token, emb_token_id, vocab_size, upcycling, expert_map)
+    return checkpoint, tokenizer, config, real_vocab_size, upcycling, expert_map
+
+
+def plan_output(source: Path, variant: str = "native", emb_token: str = "<emb>", emb_token_id: int | None = None,
+                num_experts: int | None = None, granularity: int | None = None, top_k: int | None = None,
+                router_init: str | None = None, modality_map=None, **options) -> PlannedOutput:
+    """What `convert` writes, from the source's config, tokenizer and safetensors headers alone (`moezoo convert
+    --dry-run`, and the disk-space check before a conversion); with `prune_experts`, the pruned model."""
+    _, _, config, _, _, _ = _source_and_config(
+        Path(source), variant, emb_token, emb_token_id, num_experts, granularity, top_k, router_init, modality_map
+    )
+    pruning = ExpertPruning.pop_from(options)
+    return PlannedOutput(config if pruning is None else pruned_config(config, pruning.keep), (Path(source),))
 
 
 # --- the source -----------------------------------------------------------------------------------------------------
@@ -529,7 +550,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--emb-token", default="<emb>", help="the pooling token added to the tokenizer")
     parser.add_argument("--emb-token-id", type=int, default=None,
                         help="the <emb> id, for a source without a tokenizer")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the source's")
+    add_dtype_argument(parser)
     parser.add_argument("--max-shard-size", default="5GB")
     upcycling = parser.add_argument_group("--variant upcycled (defaults: the best row of the paper's Table 10)")
     upcycling.add_argument("--num-experts", type=int, default=None, help="experts per layer (default 4)")

@@ -23,6 +23,7 @@ from transformers.initialization import no_init_weights
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
 from ..hub.sources import open_safetensors
 from .common import option_name, source_license
+from .dtypes import add_dtype_argument, cast_checked
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -32,7 +33,6 @@ CONSTRUCTIONS = {
     "paper_literal": ("copy", "copy", 1.0),  # Sec. 3.2 read literally: each route computes 2 F(x) at first
     "split": ("split", "split", 1.0),  # Table 9's control: disjoint neuron groups, their sum is the dense FFN
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --- experts of one dense FFN (spec §5.3) --------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class StateWriter:
         if target_key in self.written:
             raise ValueError(f"{target_key} is written twice (from {source_key})")
         with torch.no_grad():
-            target.copy_(tensor)
+            target.copy_(cast_checked(target_key, tensor, target.dtype))
         self.written.add(target_key)
 
 
@@ -430,7 +430,7 @@ def add_common_arguments(parser, default_experts: str) -> None:
     parser.add_argument("--default-route", default=None, help="the expert used when no task_ids are given")
     parser.add_argument("--mote-layers", type=int, nargs="+", default=None, help="decoder layers to convert (all)")
     parser.add_argument("--no-shared-expert", dest="num_shared_experts", action="store_const", const=0, default=1)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    add_dtype_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the split partition and any new weights")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip measuring every route against the source model")

@@ -21,8 +21,9 @@ from ..modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
 from ..terminal import quiet_libraries
 from .common import ConversionResult, plain_config_fields, read_config, source_tokenizer
+from .cost import PlannedOutput
+from .dtypes import output_dtype
 from .mote_common import (
-    DTYPES,
     GLM_FFN,
     SafetensorsCheckpoint,
     StateWriter,
@@ -48,7 +49,7 @@ def convert_glm_ocr_to_mote(
     default_route: str | None = "ocr",
     mote_layers: list[int] | None = None,
     num_shared_experts: int = 1,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     seed: int = 0,
     verify: bool = True,
 ) -> tuple[GlmOcrMoteForConditionalGeneration, dict]:
@@ -63,7 +64,8 @@ def convert_glm_ocr_to_mote(
         default_route: the expert used without `task_ids`; `"ocr"` makes the model act as GLM-OCR by default.
         mote_layers: the decoder layers to convert (default: all).
         num_shared_experts: 1 (default) or 0.
-        dtype: of the converted model (and of the source model the routes are measured against).
+        dtype: of the converted model (and of the source model the routes are measured against); default: the
+            source's.
         seed: seeds the neuron partition of `split`.
         verify: run GLM-OCR and every route on two synthetic image + text examples; the report gets the largest
             logit difference of each route (`max_abs_diff_by_route`) and overall (`max_abs_diff`).
@@ -73,23 +75,9 @@ def convert_glm_ocr_to_mote(
         experts, dropped with the reason), parameter counts, measured differences.
     """
     folder = Path(source)
-    dtype = DTYPES.get(dtype, dtype)
-    experts = as_experts(experts)
-    source_config = read_config(folder, ("glm_ocr",), "GLM-OCR")
-    text_fields = plain_config_fields(source_config.get("text_config", {}))
-    # The MTP layer is dropped, so the converted config does not announce one.
-    num_mtp_layers = text_fields.pop("num_nextn_predict_layers", 0)
-    dense_text_config = GlmOcrTextConfig(**text_fields)
-    config = GlmOcrMoteConfig(
-        **plain_config_fields(source_config)
-        | dict(
-            text_config=text_fields | mote_fields(
-                experts, construction, dense_text_config.intermediate_size, num_shared_experts, default_route,
-                mote_layers, base_model=source_name(folder),
-            ),
-            vision_config=plain_config_fields(source_config.get("vision_config", {})),
-        )
-    )
+    config, num_mtp_layers = _mote_config(folder, experts, construction, default_route, mote_layers,
+                                          num_shared_experts)
+    dtype = output_dtype(dtype, folder)
     text_config = config.text_config
     num_layers = text_config.num_hidden_layers
 
@@ -119,6 +107,34 @@ def convert_glm_ocr_to_mote(
                                "GLM-OCR's on two synthetic image + text examples")  # fmt: skip
     report["notes"].append("The MTP layer is dropped: MoTE does not support multi-token-prediction decoding.")
     return model, report
+
+
+def _mote_config(folder: Path, experts, construction, default_route, mote_layers,
+                 num_shared_experts) -> tuple[GlmOcrMoteConfig, int]:
+    """The GLM-OCR-MoTE config of the source's config.json, and how many multi-token-prediction layers it drops."""
+    source_config = read_config(folder, ("glm_ocr",), "GLM-OCR")
+    text_fields = plain_config_fields(source_config.get("text_config", {}))
+    # The MTP layer is dropped, so the converted config does not announce one.
+    num_mtp_layers = text_fields.pop("num_nextn_predict_layers", 0)
+    dense_text_config = GlmOcrTextConfig(**text_fields)
+    config = GlmOcrMoteConfig(
+        **plain_config_fields(source_config)
+        | dict(
+            text_config=text_fields | mote_fields(
+                as_experts(experts), construction, dense_text_config.intermediate_size, num_shared_experts,
+                default_route, mote_layers, base_model=source_name(folder),
+            ),
+            vision_config=plain_config_fields(source_config.get("vision_config", {})),
+        )
+    )
+    return config, num_mtp_layers
+
+
+def plan_output(source: Path, experts=("ocr", "kie"), construction: str = "copy", default_route: str | None = "ocr",
+                mote_layers: list[int] | None = None, num_shared_experts: int = 1, **_other_options) -> PlannedOutput:
+    """What `convert` writes, from the source's config alone (`moezoo convert --dry-run`, the disk-space check)."""
+    config, _ = _mote_config(Path(source), experts, construction, default_route, mote_layers, num_shared_experts)
+    return PlannedOutput(config, (Path(source),))
 
 
 @torch.no_grad()

@@ -33,8 +33,9 @@ from .common import (
     read_config,
     source_tokenizer,
 )
+from .cost import PlannedOutput
+from .dtypes import output_dtype
 from .mote_common import (
-    DTYPES,
     LLAMA_FFN,
     SafetensorsCheckpoint,
     StateWriter,
@@ -67,7 +68,7 @@ def convert_llama_to_mote(
     default_route: str | None = None,
     mote_layers: list[int] | None = None,
     num_shared_experts: int = 1,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     seed: int = 0,
     verify: bool = True,
     video_token: str = VIDEO_TOKEN,
@@ -81,7 +82,8 @@ def convert_llama_to_mote(
 
     Args:
         experts / construction / default_route / mote_layers / num_shared_experts / dtype / seed: as in
-            `convert_glm_ocr_to_mote`; the default experts are the five COIN routes.
+            `convert_glm_ocr_to_mote` (the dtype defaults to the Llama source's); the default experts are the five
+            COIN routes.
         verify: run the dense Llama (and SigLIP) and every route on synthetic inputs (two video examples for
             VideoLLM-MoTE: frames through both vision towers, then the same projector) and report the differences.
         video_token / video_token_id / frame_token_interval_id: the `<v>` placeholder and the `,` between frames
@@ -96,33 +98,13 @@ def convert_llama_to_mote(
             f"{option_name('projector_from')} (VideoLLM-online's connector) needs {option_name('vision')}: the "
             "projector is VideoLLM-MoTE's"
         )
-    dtype = DTYPES.get(dtype, dtype)
-    experts = as_experts(experts)
-    llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
-    if dense:
-        text_fields = llm_fields | dense_fields(base_model=source_name(folder))
-    else:
-        text_fields = llm_fields | mote_fields(
-            experts, construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts, default_route,
-            mote_layers, base_model=source_name(folder),
-        )
-    vision_folder = None if vision is None else locate(
-        vision, "the SigLIP checkpoint", f"give {option_name('vision')} a local folder"
-    )
+    config, vision_folder = _mote_config(folder, experts, vision, construction, default_route, mote_layers,
+                                         num_shared_experts, video_token, video_token_id, frame_token_interval_id,
+                                         dense)  # fmt: skip
+    dtype = output_dtype(dtype, folder)
     if vision_folder is None:
-        config, model_class, prefix = LlamaMoteConfig(**text_fields), LlamaMoteForCausalLM, "model."
+        model_class, prefix = LlamaMoteForCausalLM, "model."
     else:
-        vision_source = read_config(vision_folder, ("siglip", "siglip_vision_model"), "FixRes SigLIP (2)")
-        vision_fields = plain_config_fields(vision_source.get("vision_config", vision_source))
-        video_token_id, frame_token_interval_id = _placeholder_ids(
-            folder, video_token, video_token_id, frame_token_interval_id
-        )
-        config = VideoLlmMoteConfig(
-            text_config=text_fields, vision_config=vision_fields, video_token=video_token,
-            video_token_id=video_token_id, frame_token_interval_id=frame_token_interval_id,
-            frame_resolution=SiglipVisionConfig(**vision_fields).image_size,
-            tie_word_embeddings=LlamaConfig(**llm_fields).tie_word_embeddings,
-        )
         model_class, prefix = VideoLlmMoteForConditionalGeneration, "model.language_model."
     text_config = config.get_text_config()
 
@@ -173,6 +155,51 @@ def convert_llama_to_mote(
             f"{config.frame_token_interval_id}."
         )
     return model, report
+
+
+def _mote_config(folder: Path, experts, vision, construction, default_route, mote_layers, num_shared_experts,
+                 video_token, video_token_id, frame_token_interval_id,
+                 dense) -> tuple[LlamaMoteConfig | VideoLlmMoteConfig, Path | None]:  # fmt: skip
+    """The converted config, from the Llama's (and the SigLIP's) config.json and the Llama tokenizer, and the SigLIP
+    folder (None for the text-only LlamaMote)."""
+    llm_fields = plain_config_fields(read_config(folder, ("llama",), "Llama"))
+    if dense:
+        text_fields = llm_fields | dense_fields(base_model=source_name(folder))
+    else:
+        text_fields = llm_fields | mote_fields(
+            as_experts(experts), construction, LlamaConfig(**llm_fields).intermediate_size, num_shared_experts,
+            default_route, mote_layers, base_model=source_name(folder),
+        )
+    vision_folder = None if vision is None else locate(
+        vision, "the SigLIP checkpoint", f"give {option_name('vision')} a local folder"
+    )
+    if vision_folder is None:
+        return LlamaMoteConfig(**text_fields), None
+    vision_source = read_config(vision_folder, ("siglip", "siglip_vision_model"), "FixRes SigLIP (2)")
+    vision_fields = plain_config_fields(vision_source.get("vision_config", vision_source))
+    video_token_id, frame_token_interval_id = _placeholder_ids(
+        folder, video_token, video_token_id, frame_token_interval_id
+    )
+    config = VideoLlmMoteConfig(
+        text_config=text_fields, vision_config=vision_fields, video_token=video_token,
+        video_token_id=video_token_id, frame_token_interval_id=frame_token_interval_id,
+        frame_resolution=SiglipVisionConfig(**vision_fields).image_size,
+        tie_word_embeddings=LlamaConfig(**llm_fields).tie_word_embeddings,
+    )
+    return config, vision_folder
+
+
+def plan_output(source: Path, experts=tuple(COIN_EXPERTS), vision: str | Path | None = None, construction="copy",
+                default_route=None, mote_layers=None, num_shared_experts=1, video_token=VIDEO_TOKEN,
+                video_token_id=None, frame_token_interval_id=None, dense=False, projector_from=None,
+                **_other_options) -> PlannedOutput:  # fmt: skip
+    """What `convert` writes, from the sources' configs and the Llama tokenizer alone (`moezoo convert --dry-run`, the
+    disk-space check)."""
+    config, vision_folder = _mote_config(Path(source), experts, vision, construction, default_route, mote_layers,
+                                         num_shared_experts, video_token, video_token_id, frame_token_interval_id,
+                                         dense)  # fmt: skip
+    sources = (Path(source),) + (() if vision_folder is None else (vision_folder,))
+    return PlannedOutput(config, sources + (() if projector_from is None else (Path(projector_from),)))
 
 
 def _placeholder_ids(folder: Path, video_token: str, video_token_id, frame_token_interval_id) -> tuple[int, int]:

@@ -38,13 +38,15 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..configuration.omnimoe_vl import OmniMoeVlConfig
 from ..modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from ..processors.build_omnimoe_vl import conversion_processor
-from .common import ConversionResult, local_source, option_name
+from ..processors.qwen_tokens import IMAGE_TOKEN, VISION_END, VISION_START
+from .common import ConversionResult, local_source, option_name, source_tokenizer
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, output_dtype
 from .streaming import ShardWriter, SourceCheckpoint, TensorGroup, check_plan, copy_as, stream_groups
 
 
 TEXT_SOURCE_TYPES = ("qwen3",)
 VISION_SOURCE_TYPES = ("siglip", "siglip_vision_model", "siglip2", "siglip2_vision_model")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROUTER_INIT_STD = 0.02
 LICENSE = "apache-2.0"  # Qwen3 and SigLIP / SigLIP2 are both Apache-2.0
 TARGET = "OmniMoE-VL"
@@ -57,6 +59,9 @@ _VISION_DROPPED = {
 }
 _TEXT_MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight")
 EMBED_TOKENS = "model.embed_tokens.weight"
+# The vision token ids' options and the Qwen3 tokens they default to.
+VISION_TOKENS = {"image_token_id": IMAGE_TOKEN, "vision_start_token_id": VISION_START,
+                 "vision_end_token_id": VISION_END}
 
 
 def convert_omnimoe_vl_checkpoints(
@@ -86,8 +91,9 @@ def convert_omnimoe_vl_checkpoints(
         injection_layers: the anchor layer of each stream (default 0, 1, ..., S - 1).
         projector: other `OmniMoeVlConfig` fields (query, routing, fusion, injection and projector sizes).
         num_experts / text_top_k / vision_top_k: experts per MoE block and per-token top-k of each stack.
-        image_token_id / vision_start_token_id / vision_end_token_id: default the Qwen3 tokenizer's
-            `<|image_pad|>`, `<|vision_start|>`, `<|vision_end|>`.
+        image_token_id / vision_start_token_id / vision_end_token_id: default the ids of `<|image_pad|>`,
+            `<|vision_start|>`, `<|vision_end|>` in the Qwen3 source's tokenizer (an error names the option when the
+            source has no tokenizer, or its tokenizer not the token).
         dtype: `"float32"`, `"bfloat16"` or `"float16"` for every output tensor (default: the Qwen3 source's).
         seed: seeds the new routers and the projector.
 
@@ -98,19 +104,16 @@ def convert_omnimoe_vl_checkpoints(
         ValueError: a source of another family (or an already-MoE Qwen3), a tower that cannot feed the taps, missing or
             unexpected tensors (named), bad options; nothing is written then.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"{option_name('dtype', dtype)} is not one of {', '.join(map(repr, DTYPES))}")
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} is not empty: convert into a new or empty folder")
-    text = SourceCheckpoint(Path(text_source), "the language source")
-    vision = SourceCheckpoint(Path(vision_source), "the vision source")
-    _check_text_source(text)
-    _check_vision_source(vision)
-    config = _omnimoe_vl_config(
-        text, vision, vision_feature_layers, injection_layers, projector or {}, num_experts, text_top_k, vision_top_k,
-        image_token_id, vision_start_token_id, vision_end_token_id,
+    text, vision, config = _sources_and_config(
+        text_source, vision_source, vision_feature_layers=vision_feature_layers, injection_layers=injection_layers,
+        projector=projector, num_experts=num_experts, text_top_k=text_top_k, vision_top_k=vision_top_k,
+        image_token_id=image_token_id, vision_start_token_id=vision_start_token_id,
+        vision_end_token_id=vision_end_token_id,
     )
+    dtype = output_dtype(dtype, text.folder)
     groups, dropped = _plan(text, vision, config, seed)
     with torch.device("meta"):
         expected = {key: tuple(value.shape)
@@ -118,13 +121,12 @@ def convert_omnimoe_vl_checkpoints(
     check_plan([text, vision], groups, [key for keys in dropped.values() for key in keys], expected, TARGET)
 
     output.mkdir(parents=True, exist_ok=True)
-    source_dtype = AutoConfig.from_pretrained(text.folder).dtype
-    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), DTYPES.get(dtype, source_dtype))
+    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), dtype)
     for key, tensor in stream_groups([text, vision], groups):
         writer.add(key, tensor)
     writer.finish()
     config.architectures = [OmniMoeVlForConditionalGeneration.__name__]
-    config.dtype = writer.dtype_written
+    config.dtype = dtype
     config.save_pretrained(output)
     if (text.folder / "generation_config.json").is_file():
         shutil.copy2(text.folder / "generation_config.json", output / "generation_config.json")
@@ -138,7 +140,7 @@ def convert_omnimoe_vl_checkpoints(
         "source": str(text_source),
         "vision_source": str(vision_source),
         "source_model_types": {"text": text.model_type, "vision": vision.model_type},
-        "dtype": str(writer.dtype_written).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "license": LICENSE,
         "vision_feature_layers": config.vision_feature_layers,
         "injection_layers": config.injection_layers,
@@ -156,6 +158,29 @@ def convert_omnimoe_vl_checkpoints(
 
 
 # --- the sources -----------------------------------------------------------------------------------------------------
+
+
+def _sources_and_config(text_source, vision_source, vision_feature_layers=None, injection_layers=None, projector=None,
+                        num_experts=8, text_top_k=2, vision_top_k=1, image_token_id=None, vision_start_token_id=None,
+                        vision_end_token_id=None, **_other_options):  # fmt: skip
+    """Both sources' headers, checked, and the OmniMoE-VL config they convert into (no weight read); `projector` is a
+    dict or the command's `(field, value)` pairs, and options that do not shape the config are ignored."""
+    text = SourceCheckpoint(Path(text_source), "the language source")
+    vision = SourceCheckpoint(Path(vision_source), "the vision source")
+    _check_text_source(text)
+    _check_vision_source(vision)
+    config = _omnimoe_vl_config(
+        text, vision, vision_feature_layers, injection_layers, dict(projector or {}), num_experts, text_top_k,
+        vision_top_k, image_token_id, vision_start_token_id, vision_end_token_id,
+    )
+    return text, vision, config
+
+
+def plan_output(source: Path, vision: str | Path, **options) -> PlannedOutput:
+    """What `convert` writes, from the sources' configs, tokenizer and safetensors headers alone (`moezoo convert
+    --dry-run`, and the disk-space check before a conversion)."""
+    text, vision, config = _sources_and_config(source, local_source(vision), **options)
+    return PlannedOutput(config, (text.folder, vision.folder))
 
 
 def _check_text_source(text: SourceCheckpoint) -> None:
@@ -238,9 +263,9 @@ def _omnimoe_vl_config(text, vision, taps, anchors, projector, num_experts, text
         num_experts=num_experts, num_experts_per_tok=text_top_k, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=list(range(1, layers, 2)),
     )
-    tokens = {name: value for name, value in (("image_token_id", image_token_id),
-                                              ("vision_start_token_id", vision_start_token_id),
-                                              ("vision_end_token_id", vision_end_token_id)) if value is not None}
+    tokens = _vision_token_ids(text.folder, {"image_token_id": image_token_id,
+                                             "vision_start_token_id": vision_start_token_id,
+                                             "vision_end_token_id": vision_end_token_id})
     own_options = {"vision_config", "text_config", "vision_feature_layers", "injection_layers", *tokens}
     clashes = set(projector) & own_options
     if clashes:
@@ -250,6 +275,25 @@ def _omnimoe_vl_config(text, vision, taps, anchors, projector, num_experts, text
         injection_layers=list(range(len(taps))) if anchors is None else list(anchors),
         tie_word_embeddings=source_text.tie_word_embeddings, **tokens, **projector,
     )
+
+
+def _vision_token_ids(folder: Path, given: dict[str, int | None]) -> dict[str, int]:
+    """The vision token ids: as given, else those of the Qwen3 source's tokenizer, whose vocabulary the converted
+    model keeps (the released Qwen3's ids would not fit a smaller or reordered vocabulary)."""
+    missing = [name for name, value in given.items() if value is None]
+    tokenizer = source_tokenizer(folder) if missing else None
+    ids = dict(given)
+    for name in missing:
+        token = VISION_TOKENS[name]
+        token_id = None if tokenizer is None else tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            lacking = "has no tokenizer" if tokenizer is None else f"has no {token} in its tokenizer"
+            raise ValueError(
+                f"the language source {folder} {lacking} to take the id of {token} from: pass {option_name(name)}, "
+                "the id the model's tokenizer gives it"
+            )
+        ids[name] = token_id
+    return ids
 
 
 # --- the plan --------------------------------------------------------------------------------------------------------
@@ -461,10 +505,10 @@ def add_arguments(parser) -> None:
     for name, token in (("image", "<|image_pad|>"), ("vision-start", "<|vision_start|>"),
                         ("vision-end", "<|vision_end|>")):
         parser.add_argument(f"--{name}-token-id", type=int, default=None,
-                            help=f"default: {token} of the Qwen3 tokenizer")
+                            help=f"default: the id of {token} in the Qwen3 source's tokenizer")
     parser.add_argument("--projector", type=_projector_option, action="append", default=None, metavar="FIELD=VALUE",
                         help="an OmniMoeVlConfig field of the projector, e.g. depth_top_k=2 (JSON values; repeatable)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the Qwen3 source's")
+    add_dtype_argument(parser)
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--seed", type=int, default=0, help="seeds the new routers and the projector")
     parser.add_argument("--no-verify", dest="verify", action="store_false",

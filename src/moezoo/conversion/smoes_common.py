@@ -7,7 +7,7 @@ SMoES adds no parameter, so the conversion is a copy, made in the order the spec
 1. the source is loaded with its transformers class (`Qwen3_5MoeForConditionalGeneration`,
    `Qwen3VLMoeForConditionalGeneration`), the class that applies the checkpoint conversion (Qwen3.5-MoE's per-expert
    2D tensors on disk -> fused 3D experts; Qwen3-VL-MoE's transposed fused experts -> the in-memory layout), in the
-   checkpoint's dtype;
+   checkpoint's dtype, then cast into `dtype` when one is asked for (each tensor checked to fit it);
 2. the SMoES config is the source's config plus the `smoes_*` fields;
 3. every source tensor is placed in the SMoES model as it is, and accounted for: no unexpected key, nothing missing but
    the SMoES buffers, every tensor (parameters and buffers, persistent or not) bit-exact;
@@ -41,6 +41,8 @@ from .common import (
     source_license,
     source_tokenizer,
 )
+from .cost import PlannedOutput
+from .dtypes import add_dtype_argument, cast_model, output_dtype
 
 
 # The paper's bin count (spec §2.6), and the expert-parallel devices bins are placed on when it divides the bins.
@@ -175,6 +177,26 @@ def logit_difference(source: PreTrainedModel, model: PreTrainedModel) -> float:
     return (model.eval()(**batch).logits - expected).abs().max().item()
 
 
+def _smoes_config(host: SmoesHost, folder: Path, num_bins: int, score_type: str | None,
+                  ep_devices: int | None) -> PreTrainedConfig:
+    """The SMoES config of the source's config.json, with the options' defaults resolved."""
+    source_config = read_config(folder, host.source_model_types, f"{host.title} vision-language")
+    score_type = score_type or host.default_score_type
+    if score_type not in SCORE_TYPES:
+        raise ValueError(f"{option_name('score_type', score_type)} must be one of {', '.join(SCORE_TYPES)}")
+    if ep_devices is None:
+        ep_devices = DEFAULT_EP_DEVICES if num_bins % DEFAULT_EP_DEVICES == 0 else num_bins
+    smoes_fields = {"smoes_num_bins": num_bins, "smoes_score_type": score_type, "smoes_ep_devices": ep_devices}
+    return smoes_config_from(host, source_config, smoes_fields)
+
+
+def plan_smoes_output(host: SmoesHost, source: Path, num_bins: int = DEFAULT_NUM_BINS, score_type: str | None = None,
+                      ep_devices: int | None = None, **_other_options) -> PlannedOutput:
+    """What the conversion into `host` writes, from the source's config alone (`moezoo convert --dry-run`, the
+    disk-space check)."""
+    return PlannedOutput(_smoes_config(host, Path(source), num_bins, score_type, ep_devices), (Path(source),))
+
+
 def convert_to_smoes(
     host: SmoesHost,
     source: str | Path,
@@ -184,6 +206,7 @@ def convert_to_smoes(
     calibrate: int = 0,
     seed: int = 0,
     verify: bool = True,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, dict]:
     """Convert a folder of `host`'s source model into the SMoES host.
 
@@ -194,22 +217,17 @@ def convert_to_smoes(
             divides `num_bins`, else one device per bin).
         calibrate: this many training-mode forwards without gradient initialise the SMoES statistics and bins.
         seed: seeds the synthetic calibration batches.
-        verify: measure max |Δ| of the logits against the source model.
+        verify: measure max |Δ| of the logits against the source model (cast into `dtype`).
+        dtype: of the converted model's weights (default: the source's); the SMoES buffers stay fp32.
 
     Returns:
         The model in eval mode and a report: source, licence, SMoES settings, tensor accounting, max |Δ|.
     """
     folder = Path(source)
-    source_config = read_config(folder, host.source_model_types, f"{host.title} vision-language")
-    score_type = score_type or host.default_score_type
-    if score_type not in SCORE_TYPES:
-        raise ValueError(f"{option_name('score_type', score_type)} must be one of {', '.join(SCORE_TYPES)}")
     if not isinstance(calibrate, int) or calibrate < 0:
         raise ValueError(f"{option_name('calibrate', calibrate)} must be 0 or a number of batches")
-    if ep_devices is None:
-        ep_devices = DEFAULT_EP_DEVICES if num_bins % DEFAULT_EP_DEVICES == 0 else num_bins
-    smoes_fields = {"smoes_num_bins": num_bins, "smoes_score_type": score_type, "smoes_ep_devices": ep_devices}
-    config = smoes_config_from(host, source_config, smoes_fields)
+    config = _smoes_config(host, folder, num_bins, score_type, ep_devices)
+    score_type, ep_devices = config.text_config.smoes_score_type, config.text_config.smoes_ep_devices
 
     with quiet_libraries():
         base, loading = host.source_class.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
@@ -217,8 +235,8 @@ def convert_to_smoes(
     incomplete = {kind: sorted(loading[kind])[:8] for kind in ("missing_keys", "unexpected_keys") if loading[kind]}
     if incomplete:
         raise ValueError(f"{folder} is not a complete {host.title} checkpoint: {incomplete}")
-    base.eval()
-    dtype = next(base.parameters()).dtype
+    dtype = output_dtype(dtype, base)
+    cast_model(base.eval(), dtype)
     # Built on the meta device and materialised uninitialised: every tensor is then the source's or an SMoES buffer's
     # initial value, so no random initialisation is spent on a large model.
     with torch.device("meta"):
@@ -268,6 +286,7 @@ def add_smoes_arguments(parser, host: SmoesHost) -> None:
                         help="N training-mode forwards without gradient on synthetic image-text batches, which "
                              "initialise the SMoES statistics and bins")
     parser.add_argument("--seed", type=int, default=0, help="seeds the calibration batches")
+    add_dtype_argument(parser)
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip measuring max |Δ| against the source model")
 

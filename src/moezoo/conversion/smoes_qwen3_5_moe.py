@@ -11,11 +11,13 @@ from transformers import Qwen3_5MoeForConditionalGeneration
 from ..configuration.smoes import SmoesQwen3_5MoeConfig
 from ..modeling.smoes.qwen3_5_moe import SmoesQwen3_5MoeForConditionalGeneration
 from .common import ConversionResult
+from .cost import PlannedOutput
 from .smoes_common import (
     SmoesHost,
     add_smoes_arguments,
     convert_to_smoes,
     convert_with_processor,
+    plan_smoes_output,
     synthetic_image_text_batch,
 )
 
@@ -29,7 +31,8 @@ HOST = SmoesHost(
     default_score_type="gaussian",
 )
 
-__all__ = ["HOST", "add_arguments", "convert", "convert_qwen3_5_moe_to_smoes", "synthetic_image_text_batch"]
+__all__ = ["HOST", "add_arguments", "convert", "convert_qwen3_5_moe_to_smoes", "plan_output",
+           "synthetic_image_text_batch"]
 
 
 def convert_qwen3_5_moe_to_smoes(source: str | Path, **options) -> tuple[SmoesQwen3_5MoeForConditionalGeneration, dict]:
@@ -45,3 +48,8 @@ def add_arguments(parser) -> None:
 def convert(source: Path, **options) -> ConversionResult:
     """`moezoo convert --to smoes --from <Qwen3.5-MoE folder or Hub id>`."""
     return convert_with_processor(HOST, source, **options)
+
+
+def plan_output(source: Path, **options) -> PlannedOutput:
+    """`moezoo convert --to smoes --from <Qwen3.5-MoE folder> --dry-run`."""
+    return plan_smoes_output(HOST, source, **options)

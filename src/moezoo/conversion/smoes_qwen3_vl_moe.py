@@ -12,7 +12,8 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 from ..configuration.smoes import SmoesQwen3VLMoeConfig
 from ..modeling.smoes.qwen3_vl_moe import SmoesQwen3VLMoeForConditionalGeneration
 from .common import ConversionResult
-from .smoes_common import SmoesHost, add_smoes_arguments, convert_to_smoes, convert_with_processor
+from .cost import PlannedOutput
+from .smoes_common import SmoesHost, add_smoes_arguments, convert_to_smoes, convert_with_processor, plan_smoes_output
 
 
 HOST = SmoesHost(
@@ -40,3 +41,8 @@ def add_arguments(parser) -> None:
 def convert(source: Path, **options) -> ConversionResult:
     """`moezoo convert --to smoes --from <Qwen3-VL-MoE folder or Hub id>`."""
     return convert_with_processor(HOST, source, **options)
+
+
+def plan_output(source: Path, **options) -> PlannedOutput:
+    """`moezoo convert --to smoes --from <Qwen3-VL-MoE folder> --dry-run`."""
+    return plan_smoes_output(HOST, source, **options)

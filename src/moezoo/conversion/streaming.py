@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..hub.sources import open_safetensors
+from .dtypes import cast_checked
 
 
 # build(tensors by source key, device) -> target tensors by target key; `device` is "meta" while the plan is checked.
@@ -134,22 +135,19 @@ def stream_groups(
 
 class ShardWriter:
     """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` shards of at most `max_shard_size` bytes (a single
-    `model.safetensors` when everything fits), plus the index; floating tensors are cast to `dtype` when given."""
+    `model.safetensors` when everything fits), plus the index; floating tensors are written in `dtype`, a value it
+    cannot hold failing the conversion (`cast_checked`)."""
 
-    def __init__(self, folder: Path, max_shard_size: int, dtype: torch.dtype | None):
+    def __init__(self, folder: Path, max_shard_size: int, dtype: torch.dtype):
         self.folder, self.max_shard_size, self.dtype = folder, max_shard_size, dtype
         self.shards: list[list[str]] = []
         self.current: dict[str, torch.Tensor] = {}
         self.current_size = 0
         self.total_size = 0
         self.num_tensors = 0
-        self.dtype_written: torch.dtype | None = None
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
-        if self.dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-        if tensor.is_floating_point() and self.dtype_written is None:
-            self.dtype_written = tensor.dtype
+        tensor = cast_checked(key, tensor, self.dtype)
         size = tensor.numel() * tensor.element_size()
         if self.current and self.current_size + size > self.max_shard_size:
             self._flush()

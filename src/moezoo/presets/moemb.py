@@ -47,6 +47,7 @@ CONVERTERS = [
         sources=("qwen3_5_moe", "qwen3_5"),
         variants=("native", "upcycled", "modality"),
         function="moezoo.conversion.moemb_qwen3_5:convert",
+        plan="moezoo.conversion.moemb_qwen3_5:plan_output",
         add_arguments="moezoo.conversion.moemb_qwen3_5:add_arguments",
         description="Qwen3.5-MoE -> MoEMB (native, exact); Qwen3.5 dense -> upcycled or modality-level MoEMB",
     ),
@@ -55,6 +56,7 @@ CONVERTERS = [
         architecture="moemb",
         sources=("moemb",),
         function="moezoo.conversion.moemb_expert_pruning:convert",
+        plan="moezoo.conversion.moemb_expert_pruning:plan_output",
         add_arguments="moezoo.conversion.moemb_expert_pruning:add_arguments",
         description="MoEMB -> MoEMB with the E' most salient experts of every layer (REAP, MAN, MSAN, frequency, "
         "router probability)",

@@ -107,6 +107,7 @@ CONVERTERS = [
         architecture="omnimoe_vl",
         sources=("qwen3",),
         function="moezoo.conversion.omnimoe_vl_upcycle:convert",
+        plan="moezoo.conversion.omnimoe_vl_upcycle:plan_output",
         add_arguments="moezoo.conversion.omnimoe_vl_upcycle:add_arguments",
         description="dense Qwen3 (--from) + SigLIP / SigLIP2 vision tower (--vision) -> OmniMoE-VL, both upcycled; "
                     "equal to the LLaVA-style composition at initialisation",

@@ -14,7 +14,9 @@ ARCHITECTURES = [
         name="smoes_qwen3_5_moe",
         title="SMoES Qwen3.5-MoE",
         config=f"{CONFIGURATION}:SmoesQwen3_5MoeConfig",
-        models={"AutoModelForImageTextToText": f"{MODELING}:SmoesQwen3_5MoeForConditionalGeneration"},
+        # AutoModel gives the model without its LM head, as transformers' Qwen3.5-MoE does.
+        models={"AutoModelForImageTextToText": f"{MODELING}:SmoesQwen3_5MoeForConditionalGeneration",
+                "AutoModel": f"{MODELING}:SmoesQwen3_5MoeModel"},
         processor="moezoo.processors.smoes:SmoesQwen3_5MoeProcessor",
         make_processor="moezoo.processors.build_smoes:make_smoes_processor",
         pipeline_tag="image-text-to-text",
@@ -27,7 +29,8 @@ ARCHITECTURES = [
         name="smoes_qwen3_vl_moe",
         title="SMoES Qwen3-VL-MoE",
         config=f"{CONFIGURATION}:SmoesQwen3VLMoeConfig",
-        models={"AutoModelForImageTextToText": f"{MODELING_QWEN3_VL_MOE}:SmoesQwen3VLMoeForConditionalGeneration"},
+        models={"AutoModelForImageTextToText": f"{MODELING_QWEN3_VL_MOE}:SmoesQwen3VLMoeForConditionalGeneration",
+                "AutoModel": f"{MODELING_QWEN3_VL_MOE}:SmoesQwen3VLMoeModel"},
         # Qwen3-VL-MoE's checkpoints ship Qwen3-VL's processor, which the Qwen3.5-MoE host's processor is.
         processor="moezoo.processors.smoes:SmoesQwen3_5MoeProcessor",
         make_processor="moezoo.processors.build_smoes:make_smoes_processor",
@@ -142,6 +145,7 @@ CONVERTERS = [
         architecture="smoes_qwen3_5_moe",
         sources=("qwen3_5_moe",),
         function="moezoo.conversion.smoes_qwen3_5_moe:convert",
+        plan="moezoo.conversion.smoes_qwen3_5_moe:plan_output",
         add_arguments="moezoo.conversion.smoes_qwen3_5_moe:add_arguments",
         description="Qwen3.5-MoE VLM -> SMoES Qwen3.5-MoE (every tensor copied bit-exactly, SMoES buffers at their "
                     "initial values, optional calibration of the statistics)",
@@ -151,6 +155,7 @@ CONVERTERS = [
         architecture="smoes_qwen3_vl_moe",
         sources=("qwen3_vl_moe",),
         function="moezoo.conversion.smoes_qwen3_vl_moe:convert",
+        plan="moezoo.conversion.smoes_qwen3_vl_moe:plan_output",
         add_arguments="moezoo.conversion.smoes_qwen3_vl_moe:add_arguments",
         description="Qwen3-VL-MoE VLM -> SMoES Qwen3-VL-MoE (every tensor copied bit-exactly, SMoES buffers at their "
                     "initial values, optional calibration of the statistics)",
