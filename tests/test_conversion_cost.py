@@ -119,3 +119,12 @@ def test_list_memory_gives_each_preset_its_size_by_dtype(capfd):
 def test_disk_space_is_read_where_the_folder_will_be(tmp_path):
     folder, free = cost_module.free_disk_space(tmp_path / "not" / "yet" / "there")
     assert folder == tmp_path and free == shutil.disk_usage(tmp_path).free
+
+
+def test_a_corrupt_pytorch_checkpoint_is_named_in_one_line(tmp_path):
+    from moezoo.conversion.dtypes import checkpoint_tensors
+
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"broken\.pt is not a PyTorch checkpoint") as error:
+        checkpoint_tensors(tmp_path / "broken.pt")
+    assert "\n" not in str(error.value)

@@ -9,6 +9,7 @@ float16 cannot hold would otherwise be written as infinity, silently, and the co
 from __future__ import annotations
 
 import math
+import pickle
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,9 +75,12 @@ def checkpoint_tensors(path: Path) -> dict[str, TensorHeader]:
 def _pickled_tensors(file: Path) -> dict[str, TensorHeader]:
     try:
         loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, ValueError, OSError) as error:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(
-            f"{file} is not a PyTorch checkpoint torch.load(weights_only=True) can map: {error}"
+            f"{file} is not a PyTorch checkpoint torch.load(weights_only=True, mmap=True) reads ({reason}): a corrupt or "
+            "truncated download, a pickle with arbitrary objects (never loaded), or one saved before torch 1.6 (save "
+            "it again)"
         ) from error
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
         loaded = loaded["state_dict"]
