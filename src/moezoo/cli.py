@@ -491,6 +491,7 @@ def _add_bench(commands) -> None:
         ("mote", "per-sample latency and active parameters of MoTE as the number of stored experts grows"),
         ("omnimoe_vl", "generation tokens/s and prefill latency of OmniMoE-VL against a dense MLP projector"),
         ("smoes", "bytes expert parallelism sends: stock and dedup all-to-all, with and without SMoES' bins"),
+        ("conversion", "peak memory and wall time of the streaming converters on synthetic sources at real widths"),
         ("gpu-check", "the GPU tests and benchmarks in one run of under 8 minutes, reported as JSON and Markdown"),
     ):
         _add_module_subcommand(targets, name, help, f"moezoo.bench.{name.replace('-', '_')}", "add_bench_arguments",

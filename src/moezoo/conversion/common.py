@@ -27,7 +27,7 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 
 @dataclass
 class ConversionResult:
-    model: Any  # a moezoo PreTrainedModel
+    model: Any  # a moezoo PreTrainedModel, or the `streaming.StreamedModel` folder a converter streamed it into
     processor: Any | None
     # source, base_model, license, max_abs_diff (measured against the source model), notes, ...
     provenance: dict = field(default_factory=dict)

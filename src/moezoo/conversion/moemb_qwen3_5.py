@@ -45,7 +45,16 @@ from .common import ConversionResult, option_name
 from .cost import PlannedOutput
 from .dtypes import add_dtype_argument, output_dtype
 from .moemb_expert_pruning import ExpertPruning, add_pruning_arguments, pruned_config
-from .streaming import Build, ShardWriter, SourceCheckpoint, TensorGroup, check_plan, stream_groups
+from .streaming import (
+    Build,
+    ShardWriter,
+    SourceCheckpoint,
+    StreamedModel,
+    TensorGroup,
+    check_plan,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
 VARIANTS = ("native", "upcycled", "modality")
@@ -474,24 +483,24 @@ def _modality_ffn(prefix: str, expert_map: dict[int, int]) -> Build:
 
 
 @torch.no_grad()
-def measure_differences(source: str | Path, converted: MoEmbForEmbedding) -> dict[str, float]:
-    """Both models in fp32 on a synthetic batch (text, an image, a video, right padding), with eager experts on both
-    sides: the largest absolute differences of the last hidden states (real tokens) and, for native conversions, of
-    the router logits. `converted` must be in fp32."""
-    config = converted.config
+def measure_differences(source: str | Path, converted: str | Path) -> dict[str, float]:
+    """The source model and the converted folder in fp32 on a synthetic batch (text, an image, a video, right padding),
+    with eager experts on both sides: the largest absolute differences of the last hidden states (real tokens) and,
+    for native conversions, of the router logits. Both models run layer by layer (`load_layer_by_layer`), so the
+    memory this takes does not grow with the depth."""
+    config = MoEmbConfig.from_pretrained(converted)
     native = config.moe_variant == "native"
-    with quiet_libraries():  # the source's lm_head and mtp.* are not part of the base model
-        if native:
-            reference = Qwen3_5MoeModel.from_pretrained(source, dtype=torch.float32, experts_implementation="eager")
-        else:
-            reference = Qwen3_5Model.from_pretrained(source, dtype=torch.float32)
-    previous_implementation = config.text_config._experts_implementation
-    converted.set_experts_implementation("eager")
-    # Text ids the source knows: the conversion may have grown the vocabulary to hold <emb> (spec §5.3).
-    batch = synthetic_batch(config, vocab_size=reference.get_input_embeddings().num_embeddings)
-    expected = reference.eval()(**batch, output_router_logits=native)
-    got = converted.model(**batch, output_router_logits=native)
-    converted.set_experts_implementation(previous_implementation)
+    with tempfile.TemporaryDirectory(prefix="moemb-verification-") as offload:
+        with quiet_libraries():  # the source's lm_head and mtp.* are not part of the base model
+            reference = load_layer_by_layer(Qwen3_5MoeModel if native else Qwen3_5Model, source,
+                                            Path(offload) / "source", dtype=torch.float32,
+                                            experts_implementation="eager")
+        model = load_layer_by_layer(MoEmbForEmbedding, converted, Path(offload) / "converted", dtype=torch.float32,
+                                    experts_implementation="eager")
+        # Text ids the source knows: the conversion may have grown the vocabulary to hold <emb> (spec §5.3).
+        batch = synthetic_batch(config, vocab_size=reference.get_input_embeddings().num_embeddings)
+        expected = reference(**batch, output_router_logits=native)
+        got = model.model(**batch, output_router_logits=native)
     real = batch["attention_mask"].bool()
     differences = {
         "last_hidden_state": float((got.last_hidden_state[real] - expected.last_hidden_state[real]).abs().max())
@@ -568,18 +577,17 @@ def add_arguments(parser) -> None:
 
 
 def convert(source: Path, variant: str = "native", verify: bool = True, **options) -> ConversionResult:
-    """The converter behind the command: stream the conversion into a temporary folder, load the result, and measure
-    it against the source model. The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`).
-    With `prune_experts` (and `keep`, `calibration`), the converted model's experts are then pruned
+    """The converter behind the command: stream the conversion into a temporary folder (the result's `StreamedModel`,
+    which `moezoo convert` moves into its output) and measure it against the source model, both run layer by layer.
+    The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`). With `prune_experts` (and
+    `keep`, `calibration`), the converted model is loaded and its experts pruned
     (`moezoo.conversion.moemb_expert_pruning`), and max |Δ| is that of the calibration embeddings against the unpruned
     conversion where it is larger."""
     pruning = ExpertPruning.pop_from(options)
-    with tempfile.TemporaryDirectory(prefix="moemb-conversion-") as folder:
-        report = convert_qwen3_5_checkpoint(source, folder, variant, **options)
-        model = MoEmbForEmbedding.from_pretrained(folder, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder) if report["processor_files"] else None
-    differences = measure_differences(source, model) if verify else None
-    model.to(getattr(torch, report["dtype"]))  # the converted dtype again (exact: fp32 holds bf16/fp16 values)
+    model = StreamedModel(MoEmbForEmbedding, "moemb-conversion-")
+    report = convert_qwen3_5_checkpoint(source, model.folder, variant, **options)
+    tokenizer = AutoTokenizer.from_pretrained(model.folder) if report["processor_files"] else None
+    differences = measure_differences(source, model.folder) if verify else None
     report |= {
         "base_model": str(source),
         "max_abs_diff": None if differences is None else max(differences.values()),
@@ -591,6 +599,7 @@ def convert(source: Path, variant: str = "native", verify: bool = True, **option
     }
     processor = None if tokenizer is None else make_moemb_processor(model.config, tokenizer=tokenizer)
     if pruning is not None:
+        model = model.load(dtype=getattr(torch, report["dtype"]))
         report["expert_pruning"] = pruning.apply(model, processor)
         pruning_difference = report["expert_pruning"]["max_abs_diff"]
         differences = (differences or {}) | {"embeddings_after_expert_pruning": pruning_difference}

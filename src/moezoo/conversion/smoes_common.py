@@ -2,32 +2,40 @@
 SMoES converter shares; each host's module (`smoes_qwen3_5_moe`, `smoes_qwen3_vl_moe`) names its classes in a
 `SmoesHost`.
 
-SMoES adds no parameter, so the conversion is a copy, made in the order the spec prescribes:
+SMoES adds no parameter, so the conversion is a copy, streamed tensor by tensor (DESIGN.md, "Real scale"), in the
+order the spec prescribes:
 
-1. the source is loaded with its transformers class (`Qwen3_5MoeForConditionalGeneration`,
-   `Qwen3VLMoeForConditionalGeneration`), the class that applies the checkpoint conversion (Qwen3.5-MoE's per-expert
-   2D tensors on disk -> fused 3D experts; Qwen3-VL-MoE's transposed fused experts -> the in-memory layout), in the
-   checkpoint's dtype, then cast into `dtype` when one is asked for (each tensor checked to fit it);
+1. the source's tensors are accounted for without reading one: its transformers class
+   (`Qwen3_5MoeForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`) is loaded on the meta device, and a
+   checkpoint it would load with missing or unexpected weights is refused;
 2. the SMoES config is the source's config plus the `smoes_*` fields;
-3. every source tensor is placed in the SMoES model as it is, and accounted for: no unexpected key, nothing missing but
-   the SMoES buffers, every tensor (parameters and buffers, persistent or not) bit-exact;
-4. optionally (`calibrate`), training-mode forwards without gradient on synthetic image-text batches initialise the
+3. every source tensor is copied under its own name, in the source's checkpoint layout (the SMoES classes load it
+   with the same checkpoint conversion: Qwen3.5-MoE's per-expert 2D tensors -> fused 3D experts, Qwen3-VL-MoE's
+   transposed fused experts -> the in-memory layout), in `dtype` (default the source's; each tensor checked to fit
+   it), then the SMoES buffers at their initial values; the SMoES class, loaded on the meta device, must find every
+   tensor it needs and no other (the ones transformers ignores, `mtp.*`, are dropped and reported);
+4. max |Δ| of the logits against the source model on a synthetic image-text batch is measured, both models run layer
+   by layer (0 by construction: SMoES changes no forward computation);
+5. optionally (`calibrate`), training-mode forwards without gradient on synthetic image-text batches initialise the
    Gaussian statistics, the dispatch counts and the bins, so that the first training step sees non-trivial scores;
-5. max |Δ| of the logits against the source model on a synthetic image-text batch is measured (0 by construction:
-   SMoES changes no forward computation).
+   this loads the converted model whole.
 
-Saving (safetensors in the source's checkpoint layout plus the SMoES buffers, the processor, the provenance) is
-`moezoo convert`'s, atomic.
+The memory a conversion takes is one source tensor and one output shard (`max_shard_size`), and for the verification
+one decoder layer of each model beside the embeddings, whatever the depth. Saving (the streamed folder, the processor,
+the provenance) is `moezoo convert`'s, atomic.
 """
 
 from __future__ import annotations
 
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..modeling.moe.smoes.scores import SCORE_TYPES
 from ..modeling.moe.smoes.state import SmoesLayerState
@@ -42,7 +50,15 @@ from .common import (
     source_tokenizer,
 )
 from .cost import PlannedOutput
-from .dtypes import add_dtype_argument, cast_model, output_dtype
+from .dtypes import add_dtype_argument, output_dtype
+from .streaming import (
+    ShardWriter,
+    SourceCheckpoint,
+    StreamedModel,
+    copy_as,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
 # The paper's bin count (spec §2.6), and the expert-parallel devices bins are placed on when it divides the bins.
@@ -98,37 +114,19 @@ def smoes_config_from(host: SmoesHost, source_config: dict, smoes_fields: dict) 
     )
 
 
-@torch.no_grad()
-def copy_source_tensors(source: PreTrainedModel, model: PreTrainedModel) -> dict:
-    """Give `model` every tensor of `source`, as they are (dtype included: Qwen3.5 keeps its rotary frequencies in
-    float32 beside bfloat16 weights), and prove it: the keys match but for the SMoES buffers, which keep their initial
-    values, and every tensor, buffers included, is bit-exact. Returns the accounting."""
-    source_state = source.state_dict()
-    smoes_buffers = {
-        f"{module_name}.{buffer_name}"
-        for module_name, module in model.named_modules() if isinstance(module, SmoesLayerState)
-        for buffer_name, _ in module.named_buffers()
-    } | {"model.language_model.smoes_step"}  # fmt: skip
-    # `assign` takes the source tensors themselves: no cast into the model's dtype, no second copy in memory.
-    result = model.load_state_dict(source_state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ValueError(f"the SMoES model has no place for the source tensors {sorted(result.unexpected_keys)[:8]}")
-    not_smoes = sorted(set(result.missing_keys) - smoes_buffers)
-    if not_smoes:
-        raise ValueError(f"the source checkpoint lacks {not_smoes[:8]}, which the SMoES model needs")
-    # Non-persistent buffers (the rotary frequencies) are not in a state dict: they are set by name.
-    for name, buffer in source.named_buffers():
-        module_name, _, buffer_name = name.rpartition(".")
-        setattr(model.get_submodule(module_name), buffer_name, buffer.clone())
-    model_tensors = dict(model.state_dict()) | dict(model.named_buffers())
-    source_tensors = source_state | dict(source.named_buffers())
-    inexact = [
-        key for key, tensor in source_tensors.items()
-        if model_tensors[key].dtype != tensor.dtype or not torch.equal(model_tensors[key], tensor)
-    ]  # fmt: skip
-    if inexact:
-        raise ValueError(f"tensors changed in the copy: {inexact[:8]}")
-    return {"copied": len(source_state), "smoes_buffers": len(smoes_buffers), "dropped": []}
+def initial_smoes_buffers(host: SmoesHost, config: PreTrainedConfig) -> dict[str, torch.Tensor]:
+    """What SMoES adds to the source's tensors, by state-dict key: each MoE layer's statistics, dispatch counts and bins
+    at their initial values (float32), and the step counter at 0. The model is built on the meta device and only its
+    SMoES states are materialised."""
+    with torch.device("meta"):
+        model = host.model_class(config)
+    buffers = {"model.language_model.smoes_step": torch.zeros((), dtype=torch.long)}
+    for name, module in model.named_modules():
+        if isinstance(module, SmoesLayerState):
+            module.to_empty(device="cpu")
+            module.init_buffers()
+            buffers |= {f"{name}.{key}": tensor for key, tensor in module.state_dict().items()}
+    return buffers
 
 
 def synthetic_image_text_batch(config: PreTrainedConfig, batch_size: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -169,12 +167,18 @@ def calibrate_statistics(model: PreTrainedModel, batches: int, seed: int = 0) ->
 
 
 @torch.no_grad()
-def logit_difference(source: PreTrainedModel, model: PreTrainedModel) -> float:
-    """max |logits| difference of the two models in eval mode on a synthetic image-text batch."""
-    batch = synthetic_image_text_batch(model.config)
-    batch["pixel_values"] = batch["pixel_values"].to(next(source.parameters()).dtype)
-    expected = source.eval()(**batch).logits
-    return (model.eval()(**batch).logits - expected).abs().max().item()
+def logit_difference(host: SmoesHost, source: Path, converted: Path) -> float:
+    """max |logits| difference of the source and the converted folder in fp32, eval mode, on a synthetic image-text
+    batch; each runs layer by layer (`load_layer_by_layer`), one after the other, so the memory does not grow with the
+    depth."""
+    with tempfile.TemporaryDirectory(prefix="smoes-verification-") as offload:
+        with quiet_libraries():
+            base = load_layer_by_layer(host.source_class, source, Path(offload) / "source", dtype=torch.float32)
+        batch = synthetic_image_text_batch(base.config)
+        expected = base(**batch).logits
+        del base  # one model at a time
+        model = load_layer_by_layer(host.model_class, converted, Path(offload) / "converted", dtype=torch.float32)
+        return (model(**batch).logits - expected).abs().max().item()
 
 
 def _smoes_config(host: SmoesHost, folder: Path, num_bins: int, score_type: str | None,
@@ -207,8 +211,9 @@ def convert_to_smoes(
     seed: int = 0,
     verify: bool = True,
     dtype: str | torch.dtype | None = None,
-) -> tuple[PreTrainedModel, dict]:
-    """Convert a folder of `host`'s source model into the SMoES host.
+    max_shard_size: int | str = "5GB",
+) -> tuple[StreamedModel | PreTrainedModel, dict]:
+    """Convert a folder of `host`'s source model into the SMoES host, streamed tensor by tensor.
 
     Args:
         num_bins: expert bins per MoE layer (the paper: 8); must divide the experts per layer.
@@ -217,11 +222,14 @@ def convert_to_smoes(
             divides `num_bins`, else one device per bin).
         calibrate: this many training-mode forwards without gradient initialise the SMoES statistics and bins.
         seed: seeds the synthetic calibration batches.
-        verify: measure max |Δ| of the logits against the source model (cast into `dtype`).
+        verify: measure max |Δ| of the logits against the source model, both in fp32.
         dtype: of the converted model's weights (default: the source's); the SMoES buffers stay fp32.
+        max_shard_size: the largest output shard (bytes or a string like `"5GB"`), which the conversion holds in
+            memory before writing it.
 
     Returns:
-        The model in eval mode and a report: source, licence, SMoES settings, tensor accounting, max |Δ|.
+        The converted model, as the folder it was streamed into (`StreamedModel`), or loaded and in eval mode when
+        `calibrate` asks for forwards; and a report: source, licence, SMoES settings, tensor accounting, max |Δ|.
     """
     folder = Path(source)
     if not isinstance(calibrate, int) or calibrate < 0:
@@ -229,29 +237,41 @@ def convert_to_smoes(
     config = _smoes_config(host, folder, num_bins, score_type, ep_devices)
     score_type, ep_devices = config.text_config.smoes_score_type, config.text_config.smoes_ep_devices
 
-    with quiet_libraries():
-        base, loading = host.source_class.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
+    checkpoint = SourceCheckpoint(folder, "the source")
+    with quiet_libraries():  # on the meta device: the keys transformers would load, and no weight read
+        base, loading = host.source_class.from_pretrained(str(folder), device_map="meta", output_loading_info=True)
     # transformers only reports these: a source missing weights would be converted with random ones.
     incomplete = {kind: sorted(loading[kind])[:8] for kind in ("missing_keys", "unexpected_keys") if loading[kind]}
     if incomplete:
         raise ValueError(f"{folder} is not a complete {host.title} checkpoint: {incomplete}")
-    dtype = output_dtype(dtype, base)
-    cast_model(base.eval(), dtype)
-    # Built on the meta device and materialised uninitialised: every tensor is then the source's or an SMoES buffer's
-    # initial value, so no random initialisation is spent on a large model.
-    with torch.device("meta"):
-        model = host.model_class(config)
-    model = model.to_empty(device="cpu")
-    for state in model.model.language_model.smoes_states:
-        state.init_buffers()
-    model.model.language_model.smoes_step.zero_()
-    accounting = copy_source_tensors(base, model)
-    model.generation_config = base.generation_config
+    dtype = output_dtype(dtype, folder)
+    ignored = [re.compile(pattern) for pattern in host.source_class._keys_to_ignore_on_load_unexpected or ()]
+    dropped = sorted(key for key in checkpoint.shapes if any(pattern.search(key) for pattern in ignored))
+    copied = [copy_as(key, key) for key in checkpoint.shapes if key not in dropped]
 
+    model = StreamedModel(host.model_class, "smoes-conversion-")
+    writer = ShardWriter(model.folder, convert_file_size_to_int(max_shard_size), dtype)
+    for key, tensor in stream_groups([checkpoint], copied):
+        writer.add(key, tensor)
+    smoes_buffers = initial_smoes_buffers(host, config)
+    for key, tensor in smoes_buffers.items():
+        writer.add(key, tensor, cast=False)
+    writer.finish()
+    config.architectures = [host.model_class.__name__]
+    config.dtype = dtype
+    config.save_pretrained(model.folder)
+    base.generation_config.save_pretrained(model.folder)
+    with quiet_libraries():
+        _, loading = host.model_class.from_pretrained(model.folder, device_map="meta", output_loading_info=True)
+    unplaced = {kind: sorted(loading[kind])[:8] for kind in ("missing_keys", "unexpected_keys") if loading[kind]}
+    if unplaced:
+        raise ValueError(f"the SMoES model does not load the copied {host.title} tensors: {unplaced}")
+    accounting = {"copied": len(copied), "smoes_buffers": len(smoes_buffers), "dropped": dropped}
+
+    difference = logit_difference(host, folder, model.folder) if verify else None
     if calibrate:
+        model = model.load()
         calibrate_statistics(model, calibrate, seed)
-    difference = logit_difference(base, model) if verify else None
-    del base
     report = {
         "source": str(folder),
         "base_model": str(folder),
@@ -266,7 +286,7 @@ def convert_to_smoes(
             "eval mode on a synthetic image-text batch.",
         ],
     }
-    return model.eval(), report
+    return model, report
 
 
 # --- `moezoo convert --to smoes --from <source folder or Hub id>` ---------------------------------------------------
@@ -286,6 +306,8 @@ def add_smoes_arguments(parser, host: SmoesHost) -> None:
                         help="N training-mode forwards without gradient on synthetic image-text batches, which "
                              "initialise the SMoES statistics and bins")
     parser.add_argument("--seed", type=int, default=0, help="seeds the calibration batches")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="the largest output shard, which the conversion holds in memory before writing it")
     add_dtype_argument(parser)
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip measuring max |Δ| against the source model")

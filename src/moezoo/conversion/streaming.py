@@ -11,12 +11,15 @@ targets as soon as all its sources were read, so at most one group's tensors are
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..hub.sources import open_safetensors
 from .dtypes import cast_checked
@@ -146,8 +149,11 @@ class ShardWriter:
         self.total_size = 0
         self.num_tensors = 0
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        tensor = cast_checked(key, tensor, self.dtype)
+    def add(self, key: str, tensor: torch.Tensor, cast: bool = True) -> None:
+        """Queue `tensor` under `key`, in the writer's dtype unless `cast` is False (tensors a class keeps in
+        float32 whatever the model's dtype)."""
+        if cast:
+            tensor = cast_checked(key, tensor, self.dtype)
         size = tensor.numel() * tensor.element_size()
         if self.current and self.current_size + size > self.max_shard_size:
             self._flush()
@@ -179,3 +185,67 @@ class ShardWriter:
 def listing(items: list[str], limit: int = 6) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+class StreamedModel:
+    """A converted model that exists as a folder (config.json, safetensors, generation config) written tensor by tensor
+    into a temporary directory, never as a model in memory: `ConversionResult.model` of a streaming converter.
+
+    It answers what `moezoo convert` asks of a model (`config`, `save_pretrained`, which moves the files into the
+    output) without loading a weight; `load()` builds the model, for tests and small models. The directory is removed
+    with the object."""
+
+    def __init__(self, model_class: type[PreTrainedModel], prefix: str):
+        self.model_class = model_class
+        self._directory = tempfile.TemporaryDirectory(prefix=prefix)
+        self.folder = Path(self._directory.name)
+
+    @property
+    def config(self) -> PreTrainedConfig:
+        return self.model_class.config_class.from_pretrained(self.folder)
+
+    def load(self, **kwargs) -> PreTrainedModel:
+        return self.model_class.from_pretrained(self.folder, **kwargs).eval()
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        for path in self.folder.iterdir():
+            shutil.move(path, Path(folder) / path.name)
+
+
+def load_layer_by_layer(
+    model_class: type[PreTrainedModel], folder: str | Path, offload_folder: str | Path, **kwargs
+) -> PreTrainedModel:
+    """`model_class.from_pretrained(folder, **kwargs)` with every decoder layer and vision block (the class's
+    `_no_split_modules`) left on disk: accelerate's offload hooks read a block's weights when its forward starts and drop
+    them when it ends, so a forward pass holds one block at a time (in the dtype asked for) beside the rest, whatever
+    the depth. Weights transformers must transform on loading (per-expert tensors fused, a dtype cast of a fused
+    tensor) are written into `offload_folder` first; the others are read from `folder`'s own files."""
+    config = model_class.config_class.from_pretrained(folder)
+    with torch.device("meta"):
+        skeleton = model_class(config)
+    return model_class.from_pretrained(
+        folder, device_map=offload_device_map(skeleton), offload_folder=str(offload_folder), **kwargs
+    ).eval()
+
+
+def offload_device_map(model: torch.nn.Module) -> dict[str, str]:
+    """A device map that leaves the outermost modules of `model._no_split_modules` on "disk" and the other tensors
+    (embeddings, norms, heads, counters: as many whatever the depth) on the CPU, by module where a module holds no
+    block, else by tensor."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units = {name for name, module in model.named_modules() if type(module).__name__ in blocks}
+    units = {name for name in units if not any(name.startswith(f"{other}.") for other in units)}
+    if not units:
+        raise ValueError(f"{type(model).__name__} names no block to load one at a time (_no_split_modules)")
+    device_map = dict.fromkeys(sorted(units), "disk")
+    for name, module in model.named_modules():
+        if name in units or any(name.startswith(f"{mapped}.") for mapped in device_map):
+            continue
+        own = [key for key, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        if not own:
+            continue
+        if any(unit.startswith(f"{name}.") for unit in units):
+            device_map |= {f"{name}.{key}": "cpu" for key in own}
+        else:
+            device_map[name] = "cpu"
+    return device_map
