@@ -18,8 +18,11 @@ Everything else (vision tower, embeddings, norms, Gated DeltaNet and attention l
 the source has one, and its embedding row is set to the mean of the real vocabulary's rows (§5.3).
 
 Memory: the source is read shard by shard with `safetensors.safe_open` and written shard by shard; only the tensors
-of one output group (one layer's experts at most) are held at a time. Before any data is read, the whole plan is
-checked on the `meta` device from the shard headers: source type, missing or unknown tensors, shapes.
+of one output group (one layer's experts at most) and one output shard are held at a time. Before any data is read,
+the whole plan is checked on the `meta` device from the shard headers: source type, missing or unknown tensors,
+shapes. The converted folder is never loaded whole: the verification runs the source and the conversion layer by layer
+(`streaming.load_layer_by_layer`), so its memory does not grow with the depth either; expert pruning
+(`--prune-experts`) loads the converted model.
 
 A converted folder holds `config.json`, the weights, and (when the source has a tokenizer) the tokenizer with
 `<emb>` plus the source's `preprocessor_config.json`, `video_preprocessor_config.json` and chat template, which
