@@ -128,3 +128,14 @@ def test_a_corrupt_pytorch_checkpoint_is_named_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"broken\.pt is not a PyTorch checkpoint") as error:
         checkpoint_tensors(tmp_path / "broken.pt")
     assert "\n" not in str(error.value)
+
+
+def test_the_streaming_writer_refuses_a_value_its_dtype_cannot_hold(tmp_path):
+    """MoEMB's and OmniMoE-VL's converters write through `ShardWriter`: the same refusal, before a shard is written."""
+    from moezoo.conversion.streaming import ShardWriter
+
+    writer = ShardWriter(tmp_path, 10**6, torch.float16)
+    writer.add("model.embed_tokens.weight", torch.ones(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight holds values up to 9\.984e\+04 .*--dtype float16"):
+        writer.add("model.norm.weight", torch.tensor([1.0, 1e5], dtype=torch.bfloat16))
+    assert not list(tmp_path.iterdir())
