@@ -25,6 +25,8 @@ from moezoo.modeling.smoes.common import Fp32RouterMixin
 from moezoo.registry import get_architecture
 from moezoo.zoo import create_from_preset
 
+from test_moemb_grpo import batch, model  # noqa: F401  (fixtures, used by the GRPO test)
+
 BF16_LOSS_RTOL = 2e-2
 
 PRESETS = ("tiny-moe_vie", "tiny-moemb", "tiny-mote-llama", "tiny-omnimoe_vl", "tiny-smoes",
@@ -256,9 +258,28 @@ def test_a_recipe_trained_in_bf16_runs_under_autocast_saves_bf16_and_loads_back(
     assert load(tmp_path / "fp32").dtype == torch.float32
 
 
-def test_a_bad_dtype_is_refused_before_loading():
+def test_a_bad_dtype_is_refused_naming_the_choices():
     from moezoo.training.precision import load_dtype
 
     assert load_dtype(None) == {} and load_dtype("bfloat16") == {"dtype": torch.bfloat16}
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
         load_dtype("bf16")
+
+
+def test_grpo_policy_log_probs_under_bf16_autocast(model, batch):  # fixtures of test_moemb_grpo: heads drawn at random
+    """GRPO's objective reads the policy's log-probabilities of forced actions: under bf16 autocast they are fp32,
+    within bf16's tolerance of fp32's, and reach the same efficiency heads."""
+    from moezoo.training.moemb_grpo import replayed_log_prob, sample_rollouts
+
+    actions = sample_rollouts(model, batch, 1, 1.0, "masked", torch.Generator().manual_seed(0)).actions[0]
+    heads = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    results = {}
+    for precision in ("fp32", "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            log_prob = replayed_log_prob(model, batch, actions, 1.0, "masked")
+        gradients = torch.autograd.grad(log_prob.sum(), heads, allow_unused=True)
+        results[precision] = log_prob.detach(), [gradient is not None for gradient in gradients]
+    (log_prob32, graded32), (log_prob16, graded16) = results["fp32"], results["bf16"]
+    assert log_prob16.dtype == torch.float32
+    torch.testing.assert_close(log_prob16, log_prob32, rtol=BF16_LOSS_RTOL, atol=1e-2)
+    assert graded16 == graded32 and any(graded32)

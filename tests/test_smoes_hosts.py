@@ -372,9 +372,11 @@ def test_moemb_learns_modality_specialisation_with_smoes(tiny_moemb):
     assert msi[True] > msi[False] + 0.05, msi
 
 
-def test_omnimoe_learns_modality_specialisation_with_smoes():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_omnimoe_learns_modality_specialisation_with_smoes(precision):
     """Six steps of the language-model loss on image questions, language routers trained: with SMoES the MI rises
-    and the MSI of held-out samples ends above the run without it."""
+    and the MSI of held-out samples ends above the run without it; also with each forward under bf16 autocast (the
+    Trainer's `--bf16`; `test_mixed_precision`)."""
     from test_omnimoe_vl_training import examples
 
     from moezoo.processors.build_omnimoe_vl import make_omnimoe_vl_processor
@@ -387,7 +389,8 @@ def test_omnimoe_learns_modality_specialisation_with_smoes():
     held_out = [collator(samples[24:])]
 
     def loss_of(model, batch):
-        outputs = model(**batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            outputs = model(**batch)
         return outputs.loss, None if outputs.smoes_mi is None else outputs.smoes_mi.mean().item()
 
     msi = {}

@@ -46,6 +46,7 @@ from transformers import initialization as init
 
 from ...configuration.moemb_gates import EFFICIENCY_HEAD_INITS, GateModules
 from ..moe.balancing import number_of_processes
+from ..moe.precision import autocast_off
 
 
 ROUTE, SKIP, DROP = 0, 1, 2
@@ -67,8 +68,10 @@ class EfficiencyHead(nn.Linear):
 
     def forward(self, x: torch.Tensor, drop_allowed: torch.Tensor) -> torch.Tensor:
         """`(T, 3)` fp32 logits of the tokens `x` `(T, d)`; DROP is -inf where `drop_allowed` `(T,)` is False. A
-        forward, so that accelerate's offload hooks bring the weights of an offloaded head."""
-        logits = F.linear(x.float(), self.weight.float(), self.bias.float())
+        forward, so that accelerate's offload hooks bring the weights of an offloaded head. fp32 under autocast too
+        (`autocast_off`): GRPO's ratios and the sampled actions read their log-probabilities."""
+        with autocast_off(x):
+            logits = F.linear(x.float(), self.weight.float(), self.bias.float())
         return logits.masked_fill(F.pad(~drop_allowed[:, None], (2, 0)), float("-inf"))
 
 
@@ -99,7 +102,9 @@ class NullRouter(nn.Module):
         self.bias = nn.Parameter(torch.full((num_null_experts,), float(bias)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float(), self.bias.float())
+        """`(T, N_null)` fp32 logits, under autocast too: they join the router's fp32 logits."""
+        with autocast_off(x):
+            return F.linear(x.float(), self.weight.float(), self.bias.float())
 
 
 def null_expert_slots(
