@@ -1,6 +1,7 @@
 """Shared helpers: running code in a fresh Python process (with or without moezoo importable, or as two gloo
-processes), and the tiny checkpoints several test files use."""
+processes, one launch running several scenarios in turn), and the tiny checkpoints several test files use."""
 
+import json
 import os
 import socket
 import subprocess
@@ -131,6 +132,53 @@ def run_processes(script: Path, *args, nproc: int = 2, env: dict | None = None, 
 def run_two_processes(script: Path, *args, timeout: int = 180) -> None:
     """Run `script` (with `args`) as two processes under torchrun on this machine; fail the test if either fails."""
     run_processes(script, *args, timeout=timeout)
+
+
+class Scenarios:
+    """One torchrun launch of `script` on `nproc` processes that runs several scenarios in turn: importing torch,
+    transformers and moezoo and starting the process group cost most of a launch on a loaded machine, so the tests of
+    a file share one. `scenarios` maps a name to the arguments of the script's `main`; each test checks that its
+    scenario completed (`check`) and then reads what its run wrote, as after a launch of its own. Every process runs
+    them in order and stops at the first failure (torchrun then ends the others), so the scenarios after a failed one
+    fail too, each with the launch's stderr. The script runs them through `run_scenarios`."""
+
+    def __init__(self, script: Path, scenarios: dict[str, list], root: Path, nproc: int = 2,
+                 env: dict | None = None, timeout_per_scenario: int = 240):  # fmt: skip
+        self.root, self.nproc, self.done = root, nproc, root / "completed"
+        self.done.mkdir(parents=True)
+        plan = root / "scenarios.json"
+        plan.write_text(json.dumps({name: list(map(str, args)) for name, args in scenarios.items()}))
+        try:
+            result = run_processes(script, SCENARIOS_FLAG, plan, self.done, nproc=nproc, env=env, check=False,
+                                   timeout=60 + timeout_per_scenario * len(scenarios))  # fmt: skip
+            self.report = f"launch exit status {result.returncode}:\n{result.stderr[-5000:]}"
+        except subprocess.TimeoutExpired as timeout:
+            stderr = timeout.stderr.decode(errors="replace") if isinstance(timeout.stderr, bytes) else timeout.stderr
+            self.report = f"launch timed out after {timeout.timeout} s:\n{(stderr or '')[-5000:]}"
+
+    def check(self, name: str) -> Path:
+        """Fail the test unless scenario `name` completed on every process; else `ROOT/name`, the folder its run
+        writes to by the callers' convention."""
+        completed = all((self.done / f"{name}.{rank}").exists() for rank in range(self.nproc))
+        assert completed, f"scenario {name} did not complete; {self.report}"
+        return self.root / name
+
+
+SCENARIOS_FLAG = "--scenarios"
+
+
+def run_scenarios(main, argv: list[str]) -> None:
+    """The command line of a test file run as a torchrun script: `main(argv)`, or with `--scenarios PLAN DONE` (from
+    `Scenarios`) `main` on each scenario's arguments in turn, each marked completed in DONE by every process. Between
+    scenarios the process keeps what `main` set up globally (the process group, accelerate's state), so `main` must
+    undo its own patches."""
+    if argv[:1] != [SCENARIOS_FLAG]:
+        main(argv)
+        return
+    plan, done = json.loads(Path(argv[1]).read_text()), Path(argv[2])
+    for name, args in plan.items():
+        main(args)
+        (done / f"{name}.{os.environ['RANK']}").touch()
 
 
 @pytest.fixture(scope="session")

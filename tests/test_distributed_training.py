@@ -5,12 +5,16 @@ the loss and gradients of one process; what cannot run distributed is refused be
 steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training.py ARCH
-MODEL OUT [--fsdp N] [--ep N] [--save-steps N] [--resume] [--stop-at STEP]`.
+MODEL OUT [--fsdp N] [--ep N] [--save-steps N] [--resume] [--stop-at STEP]`, or `--scenarios PLAN DONE` (conftest's
+`Scenarios`): the runs that are not interrupted (`RUNS`) share one launch, since starting the processes costs more
+than a tiny run; the interrupted run and its resumption keep launches of their own.
 """
 
 import argparse
 import json
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.mote_synthetic import ProcedureVideos
 from moezoo.training.synthetic import ColouredShapes
 
-from conftest import run_processes, run_python
+from conftest import Scenarios, run_processes, run_python, run_scenarios
 
 # Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
 from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
@@ -75,18 +79,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.stop_at:
-        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
     try:
-        train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
-              args.resume)
+        with interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at):
+            train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
+                  args.resume)
     except KeyboardInterrupt:
         sys.exit(3)
 
 
-def interrupt_at(trainer_class, step: int) -> None:
-    """Make `trainer_class` raise KeyboardInterrupt at its `step`-th training step, as Ctrl-C would."""
-    training_step, calls = trainer_class.training_step, []
+@contextmanager
+def interrupt_at(trainer_class, step: int | None):
+    """Within the block, make `trainer_class` raise KeyboardInterrupt at its `step`-th training step, as Ctrl-C
+    would (no `step`: leave it alone). Undone after the block, for the next scenario of a launch."""
+    if not step:
+        yield
+        return
+    training_step, own, calls = trainer_class.training_step, trainer_class.__dict__.get("training_step"), []
 
     def interrupted_training_step(self, *step_args, **step_kwargs):
         calls.append(None)
@@ -95,6 +103,13 @@ def interrupt_at(trainer_class, step: int) -> None:
         return training_step(self, *step_args, **step_kwargs)
 
     trainer_class.training_step = interrupted_training_step
+    try:
+        yield
+    finally:
+        if own is None:  # inherited
+            del trainer_class.training_step
+        else:
+            trainer_class.training_step = own
 
 
 def run_distributed(arch: str, model, out, *flags, check: bool = True):
@@ -128,46 +143,65 @@ def folders(moe_vie_folder, tiny_moemb, videollm_folder):  # noqa: F811
     return {"moe_vie": moe_vie_folder, "moemb": tiny_moemb, "mote": videollm_folder}
 
 
+# The runs on two processes that are not interrupted, by name: ARCH and the flags after ARCH MODEL OUT. One launch
+# (`launched`) runs them all in turn.
+RUNS = {
+    "ddp-moe_vie": ("moe_vie",),
+    "ddp-moemb": ("moemb",),
+    "ddp-mote": ("mote",),
+    "fsdp-mote": ("mote", "--fsdp", WORLD),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(folders, tmp_path_factory):
+    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME`."""
+    root = tmp_path_factory.mktemp("launched")
+    scenarios = {name: [arch, folders[arch], root / name, *flags] for name, (arch, *flags) in RUNS.items()}
+    return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["moe_vie", "moemb", "mote"])
-def test_ddp_trains_as_one_process_on_the_global_batch(arch, folders, tmp_path):
+def test_ddp_trains_as_one_process_on_the_global_batch(arch, folders, launched, tmp_path):
     reference = train(arch, folders[arch], tmp_path / "one", GLOBAL_BATCH)
-    run_distributed(arch, folders[arch], tmp_path / "ddp")
-    assert not (tmp_path / "ddp.checkpoints").exists()
-    assert_same_weights(tmp_path / "ddp", tmp_path / "one")
-    assert_same_losses(tmp_path / "ddp", reference)
-
+    ddp = launched.check(f"ddp-{arch}")
+    assert not ddp.with_name(f"{ddp.name}.checkpoints").exists()
+    assert_same_weights(ddp, tmp_path / "one")
+    assert_same_losses(ddp, reference)
 
 
 @pytest.mark.slow
-def test_fsdp_trains_as_one_process_and_its_folder_loads_in_a_fresh_process(videollm_folder, tmp_path):  # noqa: F811
+def test_fsdp_trains_as_one_process_and_its_folder_loads_in_a_fresh_process(videollm_folder, launched,  # noqa: F811
+                                                                            tmp_path):  # fmt: skip
     """MoTE, whose task experts are whole FFNs chosen per example: FSDP2 shards every layer, experts included."""
     reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH)
-    run_distributed("mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD)
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
-    assert_same_losses(tmp_path / "fsdp", reference)
+    fsdp = launched.check("fsdp-mote")
+    assert_same_weights(fsdp, tmp_path / "one")
+    assert_same_losses(fsdp, reference)
     run_python(f"""
         import torch
         from safetensors.torch import load_file
         from moezoo.modeling.mote.video_llm import VideoLlmMoteForConditionalGeneration
-        model = VideoLlmMoteForConditionalGeneration.from_pretrained({str(tmp_path / "fsdp")!r})
-        saved = load_file({str(tmp_path / "fsdp" / "model.safetensors")!r})
+        model = VideoLlmMoteForConditionalGeneration.from_pretrained({str(fsdp)!r})
+        saved = load_file({str(fsdp / "model.safetensors")!r})
         assert all(torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
         assert model.lm_head.weight is model.get_input_embeddings().weight  # tied again
     """)
 
 
 @pytest.mark.slow
-def test_a_ddp_run_resumes_from_its_checkpoint(moe_vie_folder, tmp_path):
-    """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of an uninterrupted run."""
-    run_distributed("moe_vie", moe_vie_folder, tmp_path / "uninterrupted")
+def test_a_ddp_run_resumes_from_its_checkpoint(moe_vie_folder, launched, tmp_path):
+    """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of an uninterrupted run (the
+    DDP run of `RUNS`)."""
+    uninterrupted = launched.check("ddp-moe_vie")
     out = tmp_path / "out"
     stopped = run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--stop-at", 2, check=False)
     assert stopped.returncode != 0 and not out.exists()
     assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
     run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--resume")
     assert not (tmp_path / "out.checkpoints").exists()
-    assert_same_weights(out, tmp_path / "uninterrupted")
+    assert_same_weights(out, uninterrupted)
 
 
 def test_checkpoints_of_a_sharded_run_are_refused_where_the_trainer_cannot_write_them(monkeypatch):
@@ -300,4 +334,4 @@ def test_processes_loading_different_dtypes_fail_at_the_start(tmp_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_scenarios(main, sys.argv[1:])

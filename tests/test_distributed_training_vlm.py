@@ -10,13 +10,16 @@ models, two steps, one thread per process; the helpers are those of tests/test_d
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
 ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--smoes]
-[--save-steps N] [--resume] [--stop-at STEP]`.
+[--save-steps N] [--resume] [--stop-at STEP]`, or `--scenarios PLAN DONE` (conftest's `Scenarios`): the runs that
+train from the start (`RUNS`) share one launch, since starting the processes costs more than a tiny run; the
+interrupted runs and their resumptions keep launches of their own.
 """
 
 import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ from moezoo.training.smoes import SmoesTrainingOptions, train_smoes
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
+from conftest import Scenarios, run_scenarios
 from test_distributed_training import (
     GLOBAL_BATCH,
     LEARNING_RATE,
@@ -79,8 +83,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--stop-at", type=int, help="interrupt the run at this optimizer step, as Ctrl-C would")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.stop_at:
-        interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at)
     # the EP implementation the run asked for (transformers' "auto" trains with "all_to_all") must carry its tokens
     name = "all_to_all" if args.ep_implementation == "auto" else args.ep_implementation
     implementation, dispatches = EPImplementationInterface()[name], []
@@ -92,16 +94,54 @@ def main(argv: list[str]) -> None:
 
     implementation._dispatch_tokens = counted_dispatch
     try:
-        train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, args.smoes,
-              fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora,
-              save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
+        with interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at):
+            train(args.arch, args.model, args.data, args.out, GLOBAL_BATCH // WORLD, args.stage, args.smoes,
+                  fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora,
+                  save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
     except KeyboardInterrupt:
         sys.exit(3)
+    finally:  # the next scenario of the launch counts its own dispatches
+        implementation._dispatch_tokens = dispatch
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
 
 
 def run_distributed(arch: str, folders, out, *flags, check: bool = True):
     return run_processes(__file__, arch, *folders[arch], out, *map(str, flags), nproc=WORLD, timeout=300, check=check)
+
+
+def distributed_arguments(folders, out, arch: str, stage: str, lora_r: int, smoes: bool, flags: tuple) -> list:
+    """The script's arguments for a run of `arch` (Stage `stage`, LoRA rank `lora_r`, `--smoes`) with `flags`."""
+    return [arch, *folders[arch], out, "--stage", stage, "--lora", lora_r, *flags, *(("--smoes",) if smoes else ())]
+
+
+# The runs on two processes that train from the start, by test and case (the test's id): (arch, stage, LoRA rank,
+# --smoes, flags). One launch (`launched`) runs them all in turn.
+RUNS = {
+    "ddp": {
+        "omnimoe_vl-stage-I": ("omnimoe_vl", "I", 0, False, ()),
+        "omnimoe_vl-stage-IV": ("omnimoe_vl", "IV", 0, False, ()),
+        "smoes": ("smoes", "I", 0, False, ()),
+    },
+    "sharded_smoes": {
+        "fsdp": ("smoes", "I", 0, False, ("--fsdp", WORLD)),
+        "ep": ("smoes", "I", 0, False, ("--ep", WORLD)),
+        "ep-dedup": ("smoes", "I", 0, False, ("--ep", WORLD, "--ep-implementation", "dedup")),
+    },
+    "lora_sharded": {
+        "omnimoe_vl-stage-II-fsdp": ("omnimoe_vl", "II", 2, False, ("--fsdp", WORLD)),
+        "omnimoe_vl-stage-IV-ep": ("omnimoe_vl", "IV", 2, False, ("--ep", WORLD)),
+        "smoes-fsdp": ("smoes", "I", 2, False, ("--fsdp", WORLD)),
+        "smoes-ep": ("smoes", "I", 2, False, ("--ep", WORLD)),
+    },
+    "sharded_omnimoe_vl": {
+        "stage-I-fsdp": ("omnimoe_vl", "I", 0, False, ("--fsdp", WORLD)),
+        "stage-IV-ep": ("omnimoe_vl", "IV", 0, False, ("--ep", WORLD)),
+    },
+    "omnimoe_vl_with_smoes_sharded": {
+        "stage-II-fsdp": ("omnimoe_vl", "II", 0, True, ("--fsdp", WORLD)),
+        "stage-IV-ep": ("omnimoe_vl", "IV", 0, True, ("--ep", WORLD)),
+    },
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -142,46 +182,49 @@ def one_process(folders, tmp_path_factory):
     return run
 
 
-def check_same_as_one_process(arch: str, folders, one_process, tmp_path, *flags, stage: str = "I", lora_r: int = 0,
-                              smoes: bool = False) -> None:  # fmt: skip
+@pytest.fixture(scope="module")
+def launched(folders, tmp_path_factory):
+    """Every run of `RUNS` in one launch of two processes, each named `TEST-CASE`."""
+    root = tmp_path_factory.mktemp("launched")
+    scenarios = {f"{test}-{case}": distributed_arguments(folders, root / f"{test}-{case}", *run)
+                 for test, runs in RUNS.items() for case, run in runs.items()}  # fmt: skip
+    return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
+def check_same_as_one_process(launched, one_process, test: str, case: str) -> Path:
+    """The run `RUNS[test][case]` on two processes ends with the weights and losses of one process; its folder."""
+    arch, stage, lora_r, smoes, _ = RUNS[test][case]
     reference, summary = one_process(arch, stage, lora_r, smoes)
-    run_distributed(arch, folders, tmp_path / "many", "--stage", stage, "--lora", lora_r, *flags,
-                    *(("--smoes",) if smoes else ()))  # fmt: skip
-    assert_same_weights(tmp_path / "many", reference)
-    assert_same_losses(tmp_path / "many", summary)
+    many = launched.check(f"{test}-{case}")
+    assert_same_weights(many, reference)
+    assert_same_losses(many, summary)
+    return many
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "stage"), [("omnimoe_vl", "I"), ("omnimoe_vl", "IV"), ("smoes", "I")],
-                         ids=["omnimoe_vl-stage-I", "omnimoe_vl-stage-IV", "smoes"])
-def test_ddp_trains_as_one_process_on_the_global_batch(arch, stage, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", RUNS["ddp"])
+def test_ddp_trains_as_one_process_on_the_global_batch(case, launched, one_process):
     """OmniMoE-VL's Stage I (the projector) and Stage IV (everything: both stacks' experts and routers too)."""
-    check_same_as_one_process(arch, folders, one_process, tmp_path, stage=stage)
+    check_same_as_one_process(launched, one_process, "ddp", case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--fsdp", WORLD), ("--ep", WORLD), ("--ep", WORLD, "--ep-implementation", "dedup")],
-                         ids=["fsdp", "ep", "ep-dedup"])
-def test_sharded_smoes_trains_as_one_process(flags, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", RUNS["sharded_smoes"])
+def test_sharded_smoes_trains_as_one_process(case, launched, one_process):
     """SMoES trained in full (routers included): FSDP2 shards every layer; EP gives each process half of every
     layer's experts, reached by transformers' all-to-all or by moezoo's dedup EP (one copy of a token per process
     holding any of its experts)."""
-    check_same_as_one_process("smoes", folders, one_process, tmp_path, *map(str, flags))
+    check_same_as_one_process(launched, one_process, "sharded_smoes", case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "stage", "flags"), [
-    ("omnimoe_vl", "II", ("--fsdp", WORLD)),
-    ("omnimoe_vl", "IV", ("--ep", WORLD)),
-    ("smoes", "I", ("--fsdp", WORLD)),
-    ("smoes", "I", ("--ep", WORLD)),
-], ids=["omnimoe_vl-stage-II-fsdp", "omnimoe_vl-stage-IV-ep", "smoes-fsdp", "smoes-ep"])  # fmt: skip
-def test_lora_sharded_trains_as_one_process(arch, stage, flags, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", RUNS["lora_sharded"])
+def test_lora_sharded_trains_as_one_process(case, launched, one_process):
     """The LoRA adapters (one per expert on the fused experts, `expert_lora`, and PEFT's on attention: SMoES and
     OmniMoE-VL's Stage IV) are attached before the sharding (`adapted_sharding`): FSDP2 shards them with their
     layers, and under EP each process adds its own experts' adapters to its half of the experts (Stage IV: of both
     stacks, the vision tower's GELU experts too); the merged weights and the losses are those of one process."""
-    check_same_as_one_process(arch, folders, one_process, tmp_path, *flags, stage=stage, lora_r=2)
+    check_same_as_one_process(launched, one_process, "lora_sharded", case)
 
 
 @pytest.mark.slow
@@ -213,26 +256,25 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(arch, flags, lo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "flags"), [("I", ("--fsdp", WORLD)), ("IV", ("--ep", WORLD))],
-                         ids=["stage-I-fsdp", "stage-IV-ep"])
-def test_sharded_omnimoe_vl_trains_as_one_process(stage, flags, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", RUNS["sharded_omnimoe_vl"])
+def test_sharded_omnimoe_vl_trains_as_one_process(case, launched, one_process):
     """Sharded after loading (`adapted_sharding`): the projector's 0-d `fusion_output_scale`, which FSDP2 cannot shard,
     stays whole on every process. Stage I trains the projector alone under FSDP2; Stage IV trains everything with
     each process holding half of both stacks' experts (8 per MoE layer)."""
-    check_same_as_one_process("omnimoe_vl", folders, one_process, tmp_path, *flags, stage=stage)
+    check_same_as_one_process(launched, one_process, "sharded_omnimoe_vl", case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "flags"), [("II", ("--fsdp", WORLD)), ("IV", ("--ep", WORLD))],
-                         ids=["stage-II-fsdp", "stage-IV-ep"])
-def test_omnimoe_vl_with_smoes_sharded_trains_as_one_process(stage, flags, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", RUNS["omnimoe_vl_with_smoes_sharded"])
+def test_omnimoe_vl_with_smoes_sharded_trains_as_one_process(case, launched, one_process):
     """SMoES on the language experts (`--smoes`), its hooks attached before the sharding: they read each layer's
     input, the attention's queries and keys and each MoE block's router input and logits inside the gathered FSDP2
     units, and under EP the router runs on every process for its own tokens. The SMoES statistics and bin balance are
     summed over the processes, so the weights, the SMoES buffers (saved with them) and the losses are those of one
     process."""
-    check_same_as_one_process("omnimoe_vl", folders, one_process, tmp_path, *flags, stage=stage, smoes=True)
-    saved = json.loads((tmp_path / "many" / "moezoo.json").read_text())["training"]
+    many = check_same_as_one_process(launched, one_process, "omnimoe_vl_with_smoes_sharded", case)
+    saved = json.loads((many / "moezoo.json").read_text())["training"]
+    stage = RUNS["omnimoe_vl_with_smoes_sharded"][case][1]
     assert saved["smoes_step"] == one_process("omnimoe_vl", stage, 0, True)[1]["smoes_step"] > 0
 
 
@@ -259,4 +301,4 @@ def test_the_sharding_flags_reach_the_options(module, options_class):
         parser.parse_args([*required, "--ep-implementation", "nope"])
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_scenarios(main, sys.argv[1:])
