@@ -99,7 +99,7 @@ class TrainedActions:
         drop_allowed = candidates
         if self.protect_text:
             drop_allowed = drop_allowed & (meta.modality.flatten()[routed] > 0)
-        head_logits = block.efficiency_head.logits(x, drop_allowed)
+        head_logits = block.efficiency_head(x, drop_allowed)
         if self.skip_gate:
             p_skip = torch.where(candidates, skip_probability(head_logits), 0.0)
             if self.train:  # soft fade h = v + (1 - p_skip) u
