@@ -26,6 +26,7 @@ from moezoo.registry import get_architecture
 from moezoo.zoo import create_from_preset
 
 from test_moemb_grpo import batch, model  # noqa: F401  (fixtures, used by the GRPO test)
+from test_moemb_trained_gates import inputs  # noqa: F401  (a fixture, used by the adaptive recipes' test)
 
 BF16_LOSS_RTOL = 2e-2
 
@@ -283,3 +284,28 @@ def test_grpo_policy_log_probs_under_bf16_autocast(model, batch):  # fixtures of
     assert log_prob16.dtype == torch.float32
     torch.testing.assert_close(log_prob16, log_prob32, rtol=BF16_LOSS_RTOL, atol=1e-2)
     assert graded16 == graded32 and any(graded32)
+
+
+@pytest.mark.parametrize("recipe", ["token_pruner", "skip_gate", "adamoe", "layer_skip"])
+def test_an_adaptive_recipe_step_under_bf16_autocast(recipe, inputs):  # `inputs`: test_moemb_trained_gates'
+    """MoEMB's trained gates (`--adaptive-recipe`): the embeddings and the budget objective of one step are within
+    bf16's tolerance of fp32's, and reach the same gate parameters."""
+    from test_moemb_trained_gates import recipe_model
+
+    from moezoo.training.moemb_adaptive import RECIPES
+
+    results = {}
+    for precision in ("fp32", "bf16"):
+        model, training = recipe_model(recipe)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            embeddings, record = training.embed(model.train(), inputs, step=1, total=2)
+            rates = training.rates([record])
+            budget = training.budget_loss([record], rates, step=1, total=2, active=RECIPES[recipe].actions)
+        (embeddings.float().sum() + budget).backward()
+        graded = {name for name, parameter in model.named_parameters() if parameter.grad is not None}
+        results[precision] = embeddings.detach().float(), budget.detach(), graded
+    (embeddings32, budget32, graded32), (embeddings16, budget16, graded16) = results["fp32"], results["bf16"]
+    assert budget16.dtype == torch.float32
+    torch.testing.assert_close(embeddings16, embeddings32, rtol=BF16_LOSS_RTOL, atol=2e-2)
+    torch.testing.assert_close(budget16, budget32, rtol=BF16_LOSS_RTOL, atol=1e-3)
+    assert graded16 == graded32 and graded32
