@@ -365,6 +365,8 @@ class OmniMoeVlPreTrainedModel(MoePreTrainedMixin, PreTrainedModel):
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["OmniMoeVlDecoderLayer", "SiglipEncoderLayer"]
+    # The injection's weights are read before each anchor layer and at decode steps, outside any forward of its own.
+    _resident_modules = ["OmniMoeVlInjection"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True

@@ -11,9 +11,10 @@ from transformers.distributed.parallel_utils import replace_layer_number_by_wild
 # code runs.
 from ...kernels.moezoo_experts import IMPLEMENTATION_NAME as SORTED_EXPERTS_IMPLEMENTATION
 from .block import SparseMoeBlock
+from .offload import OffloadMixin
 
 
-class MoePreTrainedMixin:
+class MoePreTrainedMixin(OffloadMixin):
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers greps the model's own file for `@use_experts_implementation`; the experts live in the core.
@@ -54,7 +55,7 @@ class MoePreTrainedMixin:
         self._fsdp_plan = {name: style for name, style in self._fsdp_plan.items() if name in module_names}
 
 
-class WithoutFusedExpertsMixin:
+class WithoutFusedExpertsMixin(OffloadMixin):
     """For a zoo model without fused experts, placed before its `PreTrainedModel` base: a dense tower of a composite
     model, or MoTE, whose task experts are whole FFNs run one route at a time. It takes every experts implementation,
     which changes nothing there.

@@ -31,6 +31,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
+from ..moe.offload import OffloadMixin
 from ..moe.precision import autocast_off
 from ..moe.smoes.host import check_smoes_training, token_modality
 from ..moe.smoes.regularizer import apply_smoes
@@ -86,7 +87,7 @@ class SmoesDecoderLayerMixin:
         return super().forward(hidden_states, *args, **kwargs)
 
 
-class SmoesPreTrainedModelMixin:
+class SmoesPreTrainedModelMixin(OffloadMixin):
     """The initial values of the SMoES buffers, for the host's pretrained-model class."""
 
     def _init_weights(self, module):
