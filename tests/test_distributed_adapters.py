@@ -7,7 +7,9 @@ under FSDP2 and EP give the losses and the final (merged) weights of one process
 models, two steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_adapters.py
-ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--smoes] [--add-expert] [--lora-r R] [--video]`.
+ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--smoes] [--add-expert] [--lora-r R] [--video]`, or
+`--scenarios PLAN DONE` (conftest's `Scenarios`): the runs of `RUNS` share one launch, since starting the processes
+costs more than a tiny run.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.mote_synthetic import ProcedureVideos
 from moezoo.training.synthetic import ColouredShapes
 
-from conftest import free_port, run_processes, run_python
+from conftest import Scenarios, free_port, run_python, run_scenarios
 from test_distributed_training import (
     GLOBAL_BATCH,
     LEARNING_RATE,
@@ -119,43 +122,64 @@ def moemb_references(tiny_moemb, tmp_path_factory):
     return reference
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    ("--fsdp", WORLD),
-    ("--ep", WORLD),  # one expert adapter per layer: each process adds it to its own half of the experts
-    ("--ep", WORLD, "--expert-lora", "per-expert"),  # each process adapts its experts with their own adapters
+# The runs on two processes that are not interrupted, by name: ARCH and the flags after ARCH MODEL OUT. One launch
+# (`launched`) runs them all in turn.
+RUNS = {
+    "moemb-fsdp": ("moemb", "--fsdp", WORLD),
+    # one expert adapter per layer: each process adds it to its own half of the experts
+    "moemb-ep": ("moemb", "--ep", WORLD),
+    # each process adapts its experts with their own adapters
+    "moemb-ep-per-expert-adapters": ("moemb", "--ep", WORLD, "--expert-lora", "per-expert"),
     # SMoES's hooks on the language layers, attached before the sharding; its statistics summed over the processes
-    ("--fsdp", WORLD, "--smoes"),
-], ids=["fsdp", "ep", "ep-per-expert-adapters", "fsdp-smoes"])  # fmt: skip
-def test_moemb_lora_recipe_sharded_trains_as_one_process(flags, tiny_moemb, moemb_references, tmp_path):
+    "moemb-fsdp-smoes": ("moemb", "--fsdp", WORLD, "--smoes"),
+    "mote-lora-fsdp": ("mote", "--fsdp", WORLD),
+    "mote-expert-addition-fsdp": ("mote", "--fsdp", WORLD, "--add-expert"),
+    "moe_vie-ep": ("moe_vie", "--ep", WORLD),
+    "moe_vie-video-lora-fsdp": ("moe_vie", "--fsdp", WORLD, "--lora-r", 2, "--video"),
+    "moe_vie-video-lora-ep": ("moe_vie", "--ep", WORLD, "--lora-r", 2, "--video"),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_moemb, videollm_folder, moe_vie_even_experts, tmp_path_factory):  # noqa: F811
+    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME` (MoE-ViE: the 8-expert model)."""
+    models = {"moemb": tiny_moemb, "mote": videollm_folder, "moe_vie": moe_vie_even_experts}
+    root = tmp_path_factory.mktemp("launched")
+    scenarios = {name: [arch, models[arch], root / name, *flags] for name, (arch, *flags) in RUNS.items()}
+    return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp", "ep", "ep-per-expert-adapters", "fsdp-smoes"])
+def test_moemb_lora_recipe_sharded_trains_as_one_process(case, moemb_references, launched):
+    flags = RUNS[f"moemb-{case}"]
     folder, losses = moemb_references("per-expert" if "per-expert" in flags else "shared", "--smoes" in flags)
-    run_processes(__file__, "moemb", tiny_moemb, tmp_path / "out", *flags, nproc=WORLD, timeout=300)
-    assert_same_weights(tmp_path / "out", folder)
-    assert_same_losses(tmp_path / "out", losses)
+    out = launched.check(f"moemb-{case}")
+    assert_same_weights(out, folder)
+    assert_same_losses(out, losses)
 
 
 @pytest.mark.slow
-def test_mote_lora_under_fsdp_trains_as_one_process(videollm_folder, tmp_path):  # noqa: F811
+def test_mote_lora_under_fsdp_trains_as_one_process(videollm_folder, launched, tmp_path):  # noqa: F811
     reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH)
-    run_processes(__file__, "mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD, nproc=WORLD, timeout=300)
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
-    assert_same_losses(tmp_path / "fsdp", reference)
+    fsdp = launched.check("mote-lora-fsdp")
+    assert_same_weights(fsdp, tmp_path / "one")
+    assert_same_losses(fsdp, reference)
 
 
 @pytest.mark.slow
-def test_mote_expert_addition_under_fsdp_trains_as_one_process(videollm_folder, tmp_path):  # noqa: F811
+def test_mote_expert_addition_under_fsdp_trains_as_one_process(videollm_folder, launched, tmp_path):  # noqa: F811
     """The new expert is added before the sharding (`adapted_sharding`), so FSDP2 shards it with its layer; every
     process trains its route at every step. The losses and weights are those of one process, the new expert trained
     and every other weight unchanged (frozen), and the saved folder loads with the new expert."""
     reference = train("mote", videollm_folder, tmp_path / "one", GLOBAL_BATCH, add_expert=True)
-    run_processes(__file__, "mote", videollm_folder, tmp_path / "fsdp", "--fsdp", WORLD, "--add-expert", nproc=WORLD,
-                  timeout=300)  # fmt: skip
-    assert_same_weights(tmp_path / "fsdp", tmp_path / "one")
-    assert_same_losses(tmp_path / "fsdp", reference)
-    model = VideoLlmMoteForConditionalGeneration.from_pretrained(tmp_path / "fsdp")
+    fsdp = launched.check("mote-expert-addition-fsdp")
+    assert_same_weights(fsdp, tmp_path / "one")
+    assert_same_losses(fsdp, reference)
+    model = VideoLlmMoteForConditionalGeneration.from_pretrained(fsdp)
     assert model.config.text_config.mote_expert_names[-1] == NEW_EXPERT
     initial = load_file(videollm_folder / "model.safetensors")
-    trained = load_file(tmp_path / "fsdp" / "model.safetensors")
+    trained = load_file(fsdp / "model.safetensors")
     new = [name for name in trained if f".experts.{NEW_EXPERT}." in name]
     assert new and all(not torch.equal(trained[name], initial[name.replace(NEW_EXPERT, "next")]) for name in new)
     assert all(torch.equal(trained[name], tensor) for name, tensor in initial.items())
@@ -181,16 +205,15 @@ def moe_vie_reference(moe_vie_even_experts, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_moe_vie_under_expert_parallelism_trains_as_one_process(moe_vie_even_experts, moe_vie_reference, tmp_path):
+def test_moe_vie_under_expert_parallelism_trains_as_one_process(moe_vie_even_experts, moe_vie_reference, launched):
     """The 0-d logit_scale, which FSDP2 cannot shard, stays whole on every process and trains as the rest does.
     (Under --fsdp alone: the resume test below ends with one process's weights.)"""
     folder, losses = moe_vie_reference
-    run_processes(__file__, "moe_vie", moe_vie_even_experts, tmp_path / "out", "--ep", WORLD, nproc=WORLD,
-                  timeout=300)  # fmt: skip
-    assert_same_weights(tmp_path / "out", folder)
-    assert_same_losses(tmp_path / "out", losses)
+    out = launched.check("moe_vie-ep")
+    assert_same_weights(out, folder)
+    assert_same_losses(out, losses)
     initial = load_file(moe_vie_even_experts / "model.safetensors")["logit_scale"]
-    assert load_file(tmp_path / "out" / "model.safetensors")["logit_scale"] != initial  # trained, not left out
+    assert load_file(out / "model.safetensors")["logit_scale"] != initial  # trained, not left out
 
 
 @pytest.fixture(scope="module")
@@ -202,23 +225,22 @@ def moe_vie_video_lora_reference(moe_vie_even_experts, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--fsdp", WORLD), ("--ep", WORLD)], ids=["fsdp", "ep"])
-def test_moe_vie_video_lora_sharded_trains_as_one_process(flags, moe_vie_even_experts, moe_vie_video_lora_reference,
-                                                          tmp_path):  # fmt: skip
+@pytest.mark.parametrize("case", ["fsdp", "ep"])
+def test_moe_vie_video_lora_sharded_trains_as_one_process(case, moe_vie_even_experts, moe_vie_video_lora_reference,
+                                                          launched):  # fmt: skip
     """`--video --lora-r`: the distillation teacher is copied and the adapters are attached before the sharding:
     PEFT's on attention, and one per expert on the fused experts (`expert_lora`), which under EP each process adds to
     its own half of the experts; the teacher stays whole under FSDP2, and under EP runs its half of the experts on
     every process. The merged folder loads."""
     folder, losses = moe_vie_video_lora_reference
-    run_processes(__file__, "moe_vie", moe_vie_even_experts, tmp_path / "out", *flags, "--lora-r", 2, "--video",
-                  nproc=WORLD, timeout=300)  # fmt: skip
-    assert_same_weights(tmp_path / "out", folder)
-    assert_same_losses(tmp_path / "out", losses)
-    merged = load_file(tmp_path / "out" / "model.safetensors")
+    out = launched.check(f"moe_vie-video-lora-{case}")
+    assert_same_weights(out, folder)
+    assert_same_losses(out, losses)
+    merged = load_file(out / "model.safetensors")
     base = load_file(moe_vie_even_experts / "model.safetensors")
     assert merged.keys() == base.keys()  # merged: no adapter left
     assert any(not torch.equal(merged[name], base[name]) for name in base if ".experts." in name)
-    MoeVieModel.from_pretrained(tmp_path / "out")
+    MoeVieModel.from_pretrained(out)
 
 
 @pytest.mark.slow
@@ -290,4 +312,4 @@ def test_accelerate_launch_trains_as_torchrun(moe_vie_even_experts, tmp_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_scenarios(main, sys.argv[1:])
