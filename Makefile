@@ -25,8 +25,19 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --durations=25
 
+# The edit-test loop, in about two minutes: unit tests of the MoE core, configs, processors, the converters on the
+# tiniest sources and the train commands' options. `make test` (CI) stays the whole suite.
+FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
+	moe_core smoes_core expert_lora moemb_flops mote_routing import_graph bench_timing \
+	processor_journeys processor_bad_input core_journeys data_journeys mote_journeys moe_vie_journeys \
+	moemb_processor conformance_processors conformance_processors_moemb conformance_processors_mote \
+	conformance_processors_omnimoe_vl conformance_processors_smoes omnimoe_vl_presets \
+	native_experts smoes_model moemb_model omnimoe_vl_model mixed_precision conversion_messages conversion_cost \
+	smoes_conversion mote_conversion moe_vie_conversion moemb_conversion omnimoe_vl_conversion moemb_expert_pruning \
+	training_arguments))
+
 test-fast: setup
-	$(PY) -m pytest -n auto --dist loadfile -m "not slow"
+	$(PY) -m pytest -n auto --dist loadfile -m "not slow" --durations=10 $(FAST_TESTS)
 
 demo: setup
 	$(VENV)/bin/moezoo demo
