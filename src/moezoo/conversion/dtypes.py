@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from ..hub.sources import open_safetensors
+from ..modeling.moe.precision import DTYPES
 from .common import PICKLE_SUFFIXES, option_name
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,

@@ -7,9 +7,7 @@ usage EMA). See docs/training.md, "Mixed precision"."""
 
 from __future__ import annotations
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..modeling.moe.precision import DTYPES
 
 
 def add_dtype_argument(parser, default: str = "the folder's own") -> None:

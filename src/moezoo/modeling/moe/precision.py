@@ -9,6 +9,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+# The floating dtypes a model is converted to, loaded in or trained in, by the names `--dtype` takes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def autocast_off(tensor: torch.Tensor) -> AbstractContextManager:
     """Autocast disabled on `tensor`'s device (a no-op on devices without autocast, such as "meta")."""
