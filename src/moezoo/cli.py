@@ -407,13 +407,13 @@ EVALUATORS = {"moe_vie": "moezoo.evaluation.moe_vie", "moemb": "moezoo.evaluatio
               "omnimoe_vl": "moezoo.evaluation.omnimoe_vl"}
 
 
-def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run, parse=None) -> None:
+def _add_architecture_command(commands, name, help, examples, modules, add_arguments, run, runner=None) -> None:
     parser = _command(commands, name, help, examples)
     parser.add_argument("architecture", choices=sorted(modules))
     parser.add_argument("options", nargs=argparse.REMAINDER, help=f"see `moezoo {name} ARCH --help`")
     parser.set_defaults(
         run=lambda args: _run_module_command(f"{name} {args.architecture}", modules[args.architecture],
-                                             add_arguments, run, args.options, parse)
+                                             add_arguments, run, args.options, runner)
     )
 
 
@@ -424,23 +424,39 @@ def _add_module_subcommand(subcommands, name, help, module, add_arguments, run, 
     parser.set_defaults(run=lambda args: _run_module_command(prog, module, add_arguments, run, args.options))
 
 
-def _run_module_command(prog, module_name, add_arguments, run, options, parse=None) -> int:
-    """Runs `module.run(args)`, `args` parsed by `parse(parser, options)` (default: argparse's) from the options
-    `module.add_arguments(parser)` declares."""
+def _run_module_command(prog, module_name, add_arguments, run, options, runner=None) -> int:
+    """Runs `module.run(args)`, `args` parsed by argparse from the options `module.add_arguments(parser)` declares,
+    or `runner(parser, options, module.run)` when the command runs in its own way."""
     import importlib
 
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"moezoo {prog}", description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     getattr(module, add_arguments)(parser)
-    return getattr(module, run)(parser.parse_args(options) if parse is None else parse(parser, options))
+    if runner is not None:
+        return runner(parser, options, getattr(module, run))
+    return getattr(module, run)(parser.parse_args(options))
 
 
-def _parse_train_options(parser, options):
-    """A train command's options, with its `--config FILE` (imported here: training code pulls in the Trainer)."""
+def _run_train(parser, options, run) -> int:
+    """
+    A train command: its options, with its `--config FILE`; then, with `--push_to_hub`, the Hub checked before the
+    recipe loads anything, and its trained folder exported and pushed once written (on the main process of a
+    distributed launch). Imported here: training code pulls in the Trainer.
+    """
     from .training.arguments import parse_train_arguments
+    from .training.distributed import world
+    from .training.push import push_trained_folder, take_push_options
+    from .terminal import console
 
-    return parse_train_arguments(parser, options)
+    args = parse_train_arguments(parser, options)
+    push = take_push_options(parser, args)
+    status = run(args)
+    if push is not None and status == 0 and world()[0] == 0:
+        with console.status(escape(f"exporting {args.out} and pushing it to {push.repo_id}")):
+            url = push_trained_folder(args.out, push)
+        console.print(f"pushed: {url}", markup=False)
+    return status
 
 
 def _add_train(commands) -> None:
@@ -453,7 +469,7 @@ def _add_train(commands) -> None:
         moezoo train moe_vie --model trained --data clips.jsonl --out video --video --num-frames 8
         moezoo train moemb --model tiny-moemb --data pairs.jsonl --out trained --config run.yaml --bf16
         """,
-        TRAINERS, "add_train_arguments", "run_train", _parse_train_options,
+        TRAINERS, "add_train_arguments", "run_train", _run_train,
     )
 
 

@@ -88,6 +88,7 @@ def export_folder(
     repo_id: str | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    training: dict | None = None,
 ) -> Path:
     out = Path(out)
     source, model_type = model_folder(source, "`moezoo export`")
@@ -97,6 +98,8 @@ def export_folder(
         model = load_model_checked(architecture, source)
         processor = load_processor(architecture, source)
         provenance = read_provenance(source) | {"architecture": architecture.name, "moezoo_version": __version__}
+        if training:  # entries for the record of the run that trained the model, which the card shows
+            provenance["training"] = provenance.get("training", {}) | training
         counts = count_parameters(model)
         model.save_pretrained(staging, max_shard_size=max_shard_size, safe_serialization=True)
         if processor is not None:

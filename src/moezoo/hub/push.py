@@ -33,11 +33,18 @@ def check_exported(folder: Path) -> None:
         )
 
 
-def push_folder(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None) -> str:
-    """Create the repo if needed (and the branch `revision`), upload the folder, return the commit URL."""
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    private: bool | None = False,
+    revision: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Create the repo if needed (and the branch `revision`), upload the folder, return the commit URL. `token`
+    (default: `hf auth login`'s, or HF_TOKEN) and `private=None` (the Hub's default) are the train command's."""
     folder = Path(folder)
     check_exported(folder)
-    api = HfApi()
+    api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision:

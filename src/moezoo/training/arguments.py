@@ -199,11 +199,18 @@ ZOO_FIELDS = {
     "fsdp": "shard with the zoo's --fsdp N / --ep N (transformers' native FSDP2)",
     "fsdp_config": "shard with the zoo's --fsdp N / --ep N (transformers' native FSDP2)",
     "deepspeed": "name a DeepSpeed config file or preset with the zoo's --deepspeed",
+    "hub_strategy": "--push_to_hub pushes the trained model once, when the run ends; the Trainer's checkpoints are "
+                    "not pushed (they stay in OUT.checkpoints for --resume)",
+    "hub_always_push": "--push_to_hub pushes the trained model once, when the run ends, and waits for that push",
 }
 # TrainingArguments fields that are not flags: the zoo's own flags of the same name mean something else.
 NOT_FLAGS = ("fsdp", "deepspeed")
 # TrainingArguments fields that an options dataclass holds under another name.
 RENAMED = {"max_steps": "steps", "per_device_train_batch_size": "batch_size", "num_generations": "rollouts"}
+# TrainingArguments fields about pushing to the Hub: the train command's own (`moezoo.training.push` takes them off its
+# options before the recipe's options are made, which refuse them), as the Trainer would push its checkpoints, without
+# the model's code.
+PUSH_FIELDS = ("push_to_hub", "hub_model_id", "hub_token", "hub_private_repo", "hub_revision")
 # Today's flags that name a field of the Trainer's arguments otherwise: aliases. (The fields' dashed spellings, like
 # --weight-decay or --save-steps, are flags of HfArgumentParser's own.)
 ALIASES = {"--steps": "max_steps", "--batch-size": "per_device_train_batch_size", "--lr": "learning_rate"}
@@ -255,9 +262,11 @@ def check_training_args(options) -> None:
     if given.get("load_best_model_at_end"):
         raise ValueError("--load_best_model_at_end needs evaluation while training (--eval_strategy), which moezoo's "
                          "train commands do not run yet")  # fmt: skip
-    if given.get("push_to_hub"):
-        raise ValueError("--push_to_hub would push the Trainer's checkpoints, without the model's code: export the "
-                         "trained folder with `moezoo export` and push it with `moezoo push`")  # fmt: skip
+    pushing = [name for name in PUSH_FIELDS if name in options.training_args]
+    if pushing:
+        raise ValueError(f"--{pushing[0]} is the train command's (the Trainer would push its checkpoints, without the "
+                         "model's code): in Python, push the folder the run wrote with moezoo.training.push."
+                         "push_trained_folder, or with `moezoo export` and `moezoo push`")  # fmt: skip
     if "report_to" in given:
         check_trackers(trackers(given["report_to"]))
 
@@ -326,6 +335,13 @@ def add_trainer_arguments(
     helps = {
         "save_steps": "write a Trainer checkpoint to OUT.checkpoints every SAVE_STEPS optimizer steps (0: none); it "
                       "is deleted once OUT is written, and kept when the run fails or is interrupted, for --resume",
+        "push_to_hub": "once OUT is written, export it as `moezoo export` does (remote code, model card with this "
+                       "command's options and final metrics) and push it to --hub_model_id (default: YOUR_NAME/the "
+                       "name of OUT); HF_HUB_OFFLINE and the token are checked before anything is loaded",
+        "hub_model_id": "with --push_to_hub: the repo to push to, ORG/NAME (NAME alone: under your user name)",
+        "hub_token": "with --push_to_hub: a Hub token (default: `hf auth login`'s, or HF_TOKEN)",
+        "hub_private_repo": "with --push_to_hub: create the repo private",
+        "hub_revision": "with --push_to_hub: push to this branch (created if needed)",
     } | (helps or {})  # fmt: skip
     mirrored = mirrored_fields(type(defaults))
     group = parser.add_argument_group(
