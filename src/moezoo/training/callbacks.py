@@ -65,6 +65,19 @@ class LogsStepMeans:
         super().log(logs, start_time)
 
 
+class EvaluatesLoss:
+    """A `Trainer` mixin (placed before `Trainer`) for losses computed outside the model's forward from several of its
+    outputs (a contrastive loss over the batch): the evaluation step computes the batch's loss as `compute_loss` does,
+    which `evaluate()` reports as `eval_loss`. The stock step would compute none, the batch having no `labels`, and
+    would keep every output as predictions."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
 class RichProgressCallback(TrainerCallback):
     """One progress bar with the latest loss, in place of Trainer's tqdm bar and its printed log dictionaries.
     `use_rich_progress(trainer)` swaps it in."""

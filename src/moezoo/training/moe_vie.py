@@ -39,7 +39,7 @@ from .arguments import (
     training_arguments,
 )
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
+from .callbacks import EvaluatesLoss, LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
@@ -106,15 +106,16 @@ def frame_distillation_loss(student_frames: torch.Tensor, teacher_frames: torch.
     return (1 - nn.functional.cosine_similarity(student_frames, teacher_frames.to(student_frames.dtype), dim=-1)).mean()
 
 
-class MoeVieTrainer(ShardedCheckpointsMixin, Trainer):
-    """Contrastive training over the global batch; the router auxiliary loss is added when the config asks for one
-    (MoE-ViE itself uses none: its experts are balanced by the bias update)."""
+class MoeVieLoss(EvaluatesLoss):
+    """
+    A `Trainer` mixin (placed before the trainer class) whose loss is MoE-ViE's contrastive loss over the global batch
+    (`global_contrastive_loss`: with one process, the model's own loss), plus the router auxiliary loss when the config
+    asks for one (MoE-ViE itself uses none: its experts are balanced by the bias update). `evaluate()` reports it as
+    `eval_loss` (`EvaluatesLoss`). Subclasses add terms through `extra_loss` (video distillation does).
 
-    zero3_refusal = (
-        "the contrastive loss over the global batch reads the model's logit_scale outside its forward "
-        "(`contrastive_logits`), where ZeRO-3 holds that parameter partitioned; train MoE-ViE with --fsdp N or a "
-        "DeepSpeed config of ZeRO stage 2 or below"
-    )
+    Pass `RoutingBiasCallback()` to the trainer too: it runs the experts' aux-loss-free balancing update once per
+    optimizer step.
+    """
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         core = self.accelerator.unwrap_model(model)
@@ -130,6 +131,17 @@ class MoeVieTrainer(ShardedCheckpointsMixin, Trainer):
 
     def extra_loss(self, model, inputs, outputs) -> torch.Tensor | float:
         return 0.0
+
+
+class MoeVieTrainer(MoeVieLoss, ShardedCheckpointsMixin, Trainer):
+    """`Trainer` with MoE-ViE's contrastive loss (`MoeVieLoss`), which checkpoints and resumes a model sharded with
+    `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
+
+    zero3_refusal = (
+        "the contrastive loss over the global batch reads the model's logit_scale outside its forward "
+        "(`contrastive_logits`), where ZeRO-3 holds that parameter partitioned; train MoE-ViE with --fsdp N or a "
+        "DeepSpeed config of ZeRO stage 2 or below"
+    )
 
 
 class VideoDistillationTrainer(LogsStepMeans, MoeVieTrainer):

@@ -68,7 +68,7 @@ from .arguments import (
 )
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy, with_every_trainable_parameter
-from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
+from .callbacks import EvaluatesLoss, LogAtCheckpointsAndEnd, use_rich_progress
 from .distributed import (
     all_gather_with_grad,
     check_enough_examples,
@@ -215,18 +215,22 @@ def cached_contrastive_backward(
     return loss.detach()
 
 
-class MoEmbTrainer(LogsSmoesTerms, ShardedCheckpointsMixin, Trainer):
-    """Global-batch InfoNCE (`info_nce_loss`), with GradCache when the collator makes several chunks per side. With
-    SMoES (`config.smoes`), the SMoES losses of every training forward are added, and their terms logged."""
+class MoEmbLoss(EvaluatesLoss, LogsSmoesTerms):
+    """
+    A `Trainer` mixin (placed before the trainer class) whose loss is global-batch InfoNCE (`info_nce_loss`) over the
+    sides of `MoEmbCollator`'s batches, at `logit_scale` (default: the model's `config.logit_scale`), optionally with
+    in-batch duplicates of a query's target masked out (`mask_duplicate_targets`). With SMoES (`config.smoes`), the
+    SMoES losses of every training forward are added, and their terms logged. `evaluate()` reports the InfoNCE loss
+    as `eval_loss` (`EvaluatesLoss`): give it batches of the training size, as InfoNCE depends on the number of
+    in-batch negatives.
+    """
 
-    zero3_refusal = deepspeed_zero.SKIPPED_MODULES.format(module="vision tower", inputs="an image")
-
-    def __init__(self, *args, logit_scale: float, mask_duplicate_targets: bool = False, gradcache: bool = False,
-                 **kwargs):  # fmt: skip
+    def __init__(self, *args, logit_scale: float | None = None, mask_duplicate_targets: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        if logit_scale is None:
+            logit_scale = self.accelerator.unwrap_model(self.model).config.logit_scale
         self.logit_scale = logit_scale
         self.mask_duplicate_targets = mask_duplicate_targets
-        self.gradcache = gradcache
 
     def contrastive_loss(self, embeddings: dict[str, torch.Tensor], inputs: dict) -> torch.Tensor:
         return info_nce_loss(
@@ -243,6 +247,17 @@ class MoEmbTrainer(LogsSmoesTerms, ShardedCheckpointsMixin, Trainer):
             loss = loss + smoes_loss
         return (loss, embeddings) if return_outputs else loss
 
+
+class MoEmbTrainer(MoEmbLoss, ShardedCheckpointsMixin, Trainer):
+    """`Trainer` with MoEMB's InfoNCE (`MoEmbLoss`) and GradCache (`gradcache`, when the collator makes several chunks
+    per side), which checkpoints and resumes a model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
+
+    zero3_refusal = deepspeed_zero.SKIPPED_MODULES.format(module="vision tower", inputs="an image")
+
+    def __init__(self, *args, gradcache: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gradcache = gradcache
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.gradcache:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -254,14 +269,6 @@ class MoEmbTrainer(LogsSmoesTerms, ShardedCheckpointsMixin, Trainer):
             backward=self.accelerator.backward, no_sync=lambda: self.accelerator.no_sync(model),
         )  # fmt: skip
         return loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The batch's InfoNCE loss as `compute_loss` gives it (what `evaluate()` reports as `eval_loss`). The
-        stock step would call the model on the collated sides; the embeddings are not kept as predictions."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
 
 
 # --- LoRA ---------------------------------------------------------------------------------------------------------
