@@ -1,105 +1,192 @@
 """`moezoo bench conversion`: the peak memory and wall time of the streaming converters on synthetic sources at the
 papers' real widths, a few layers deep (issue 29 item 1; DESIGN.md, "Real scale").
 
-A source is written as its release is on the Hub: transformers' own class, built on the meta device, gives every
-tensor's name and shape, `revert_weight_conversion` the checkpoint layout (Qwen3.5-MoE's per-expert 2D tensors), and
-the tensors are written in bf16, one decoder layer at a time, into shards; they are zeros but the routers (random, so
-that tokens spread over the experts as they would). Every other layer uses full attention, so that two layers already
-hold both kinds of Qwen3.5's layers.
+A source is written as its release is on the Hub (`SOURCES`: Qwen3.5-MoE, Llama, GLM-OCR, Qwen3, SigLIP 2 vision
+towers): transformers' own class, built on the meta device, gives every tensor's name and shape,
+`revert_weight_conversion` the checkpoint layout (Qwen3.5-MoE's per-expert 2D tensors), and the tensors are written in
+bf16, one layer at a time, into shards; they are zeros but the routers (random, so that tokens spread over the experts
+as they would). A converter that reads two checkpoints (a language model and a vision tower) finds the second in a
+subfolder of the first (`CONVERTERS`).
 
 Each converter runs in a child process (a fresh interpreter, so the parent's memory does not count) that converts the
 sources one after the other, after an unmeasured conversion of the first (so that what is imported or cached on the
-first call is not counted as the first source's), and reports per source the peak of its anonymous resident memory (`RssAnon`, sampled
-every few milliseconds: the pages of the memory-mapped safetensors files are the page cache's, shared and reclaimable,
-not the conversion's) above what it held before, and the wall time. The growth of that peak from a shallow to a deeper
-source, as a share of what the added layers weigh, is what "does not grow with the depth" means: near 0.
-"""
+first call is not counted as the first source's), and reports per source the peak of its anonymous resident memory
+(`RssAnon`, sampled every few milliseconds: the pages of the memory-mapped safetensors files are the page cache's,
+shared and reclaimable, not the conversion's) above what it held before, and the wall time. The growth of that peak
+from a shallow to a deeper source, as a share of what the added layers weigh, is what "does not grow with the depth"
+means: near 0."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import ctypes
+import functools
 import json
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+import transformers
 from transformers.core_model_loading import revert_weight_conversion
 
 from ..configuration.moemb import MOEMB_CONFIGS, TINY_MOEMB
+from ..configuration.mote import GLM_OCR, LLAMA_3_2_1B_INSTRUCT, SIGLIP2_LARGE_PATCH16_384_VISION
 from ..conversion.streaming import ShardWriter
 from ..terminal import print_table
 
 
-# Qwen3.5-35B-A3B as released (hidden 2048, 256 experts of 512, vocabulary 248320, its vision tower); "reduced" keeps
-# the layout at widths a test affords (one layer: 2 x 26 MB of experts in bf16).
-_A3B = MOEMB_CONFIGS["MoEMB-A3B"]
+@dataclass(frozen=True)
+class SourceKind:
+    """A family of source checkpoints: transformers' class that gives every tensor's name and shape, the config fields
+    that hold its depth (dotted paths into config.json), and the tensors written random rather than zeros (routers,
+    so that tokens spread over the experts as they would)."""
+
+    model_class: str  # a class of `transformers`
+    depth_fields: tuple[str, ...] = ("num_hidden_layers",)
+    random_tensors: tuple[str, ...] = ()  # key suffixes
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """One source checkpoint: its kind (a key of `SOURCE_KINDS`), the config fields at its widths, and the size of the
+    shards written from it (at test widths smaller than a layer, since a conversion holds one)."""
+
+    kind: str
+    fields: dict
+    shard_size: str
+
+
+# Qwen3-8B and SigLIP2-g-opt/16-384 (OmniMoE-VL's sources; spec omnimoe_vl.md, "Base models").
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)
+SIGLIP2_GIANT_PATCH16_384_VISION = dict(
+    hidden_size=1536, intermediate_size=6144, num_hidden_layers=40, num_attention_heads=16, image_size=384,
+    patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+)
+SOURCE_KINDS = {
+    "qwen3_5_moe": SourceKind("Qwen3_5MoeForConditionalGeneration", ("text_config.num_hidden_layers",),
+                              random_tensors=("mlp.gate.weight",)),
+    "llama": SourceKind("LlamaForCausalLM"),
+    "glm_ocr": SourceKind("GlmOcrForConditionalGeneration", ("text_config.num_hidden_layers", "vision_config.depth")),
+    "qwen3": SourceKind("Qwen3ForCausalLM"),
+    "siglip_vision": SourceKind("SiglipVisionModel"),
+}  # fmt: skip
+
+# The real widths are the releases' (config.json on the Hub; the specs quote them); "-reduced" keeps a layout at widths
+# a test affords, one decoder layer 15-30 MB in bf16. Every other Qwen3.5 layer uses full attention, so that two layers
+# already hold both kinds of its layers.
+_A3B = MOEMB_CONFIGS["MoEMB-A3B"]  # Qwen3.5-35B-A3B: hidden 2048, 256 experts of 512, vocabulary 248320
+_REDUCED_DECODER = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096)
+_REDUCED_VISION = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, image_size=64, patch_size=16)
 SOURCES = {
-    "qwen3_5_moe": dict(text_config=dict(_A3B["text_config"], full_attention_interval=2),
-                        vision_config=_A3B["vision_config"]),
-    "qwen3_5_moe-reduced": dict(
+    "qwen3_5_moe": SyntheticSource("qwen3_5_moe", dict(
+        text_config=dict(_A3B["text_config"], full_attention_interval=2), vision_config=_A3B["vision_config"],
+    ), "1GB"),
+    "qwen3_5_moe-reduced": SyntheticSource("qwen3_5_moe", dict(
         text_config=dict(
             TINY_MOEMB["text_config"], hidden_size=512, num_experts=64, moe_intermediate_size=128,
             shared_expert_intermediate_size=128, vocab_size=4096, full_attention_interval=2,
         ),
         vision_config=dict(TINY_MOEMB["vision_config"], out_hidden_size=512),
         image_token_id=4000, video_token_id=4001, vision_start_token_id=4002, vision_end_token_id=4003,
-    ),
+    ), "8MB"),
+    # MoTE (spec mote.md §2.7, §4.3): VideoLLM-MoTE's Llama-3.2-1B-Instruct and SigLIP 2 ViT-L/16-384, the
+    # Llama-3-8B of the split ablation (Table 9), GLM-OCR.
+    "llama3_2_1b": SyntheticSource("llama", LLAMA_3_2_1B_INSTRUCT, "1GB"),
+    "llama3_2_1b-reduced": SyntheticSource("llama", LLAMA_3_2_1B_INSTRUCT | _REDUCED_DECODER | dict(
+        intermediate_size=4096, bos_token_id=1, eos_token_id=2,
+    ), "8MB"),
+    "llama3_8b": SyntheticSource("llama", LLAMA_3_2_1B_INSTRUCT | dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128, max_position_embeddings=8192,
+        tie_word_embeddings=False, eos_token_id=128001, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    ), "1GB"),
+    "siglip2_large": SyntheticSource("siglip_vision", SIGLIP2_LARGE_PATCH16_384_VISION, "1GB"),
+    "siglip2_large-reduced": SyntheticSource("siglip_vision", SIGLIP2_LARGE_PATCH16_384_VISION | _REDUCED_VISION,
+                                             "8MB"),
+    "glm_ocr": SyntheticSource("glm_ocr", GLM_OCR, "1GB"),
+    "glm_ocr-reduced": SyntheticSource("glm_ocr", GLM_OCR | dict(
+        text_config=GLM_OCR["text_config"] | _REDUCED_DECODER | dict(
+            intermediate_size=4096, pad_token_id=0, eos_token_id=[1, 2],
+            rope_parameters=GLM_OCR["text_config"]["rope_parameters"] | {"mrope_section": [8, 12, 12]},
+        ),
+        vision_config=GLM_OCR["vision_config"] | dict(
+            hidden_size=256, num_heads=4, intermediate_size=1024, out_hidden_size=512, image_size=56,
+        ),
+        image_token_id=4000, video_token_id=4001, image_start_token_id=4002, image_end_token_id=4003,
+        video_start_token_id=4004, video_end_token_id=4005,
+    ), "8MB"),
+    # OmniMoE-VL (spec omnimoe_vl.md): Qwen3-8B and SigLIP2-Giant (fixed resolution, 384 px, patch 16).
+    "qwen3_8b": SyntheticSource("qwen3", QWEN3_8B, "1GB"),
+    "qwen3_8b-reduced": SyntheticSource("qwen3", QWEN3_8B | _REDUCED_DECODER | dict(intermediate_size=2048), "8MB"),
+    "siglip2_giant": SyntheticSource("siglip_vision", SIGLIP2_GIANT_PATCH16_384_VISION, "1GB"),
+    "siglip2_giant-reduced": SyntheticSource("siglip_vision", SIGLIP2_GIANT_PATCH16_384_VISION | _REDUCED_VISION,
+                                             "8MB"),
 }  # fmt: skip
 DEFAULT_LAYERS = (2, 4)
-# The output shards: the issue's run at real widths; at test widths, smaller than a layer (a conversion holds one).
-SHARD_SIZES = {"qwen3_5_moe": "1GB", "qwen3_5_moe-reduced": "8MB"}
 SAMPLE_SECONDS = 0.002
-WIDTHS_FILE = "moezoo_bench_widths.json"
+SOURCE_FILE = "moezoo_bench_source.json"  # beside a synthetic source's config.json: what it was written from
 
 
 # --- the synthetic source -------------------------------------------------------------------------------------------
 
 
 def write_synthetic_source(folder: Path, widths: str, num_layers: int, seed: int = 0) -> int:
-    """A Qwen3.5-MoE checkpoint folder (config.json, bf16 safetensors shards and their index) at `widths` (a key of
-    `SOURCES`) with `num_layers` decoder layers; returns the bytes of its tensors."""
-    fields = copy.deepcopy(SOURCES[widths])
-    fields["text_config"] |= {"num_hidden_layers": num_layers, "layer_types": None}
-    config = Qwen3_5MoeConfig(**fields)
+    """A checkpoint folder (config.json, bf16 safetensors shards and their index) of `SOURCES[widths]` with
+    `num_layers` layers in each of its stacks; returns the bytes of its tensors."""
+    source = SOURCES[widths]
+    kind = SOURCE_KINDS[source.kind]
+    model_class = getattr(transformers, kind.model_class)
+    fields = copy.deepcopy(source.fields)
+    for path in kind.depth_fields:
+        *parents, name = path.split(".")
+        stack = functools.reduce(dict.__getitem__, parents, fields)
+        stack[name] = num_layers
+        stack.pop("layer_types", None)  # a per-layer list of another depth: the config derives it again
+    config = model_class.config_class(**fields)
     with torch.device("meta"):
-        model = Qwen3_5MoeForConditionalGeneration(config)
+        model = model_class(config)
     generator = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(folder, _bytes(SHARD_SIZES[widths]), torch.bfloat16)
+    writer = ShardWriter(folder, _bytes(source.shard_size), torch.bfloat16)
     shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     for keys in _by_layer(list(shapes)):
         tensors = {}
         for key in keys:
-            router = key.endswith("mlp.gate.weight")
-            tensors[key] = (torch.randn(shapes[key], generator=generator) * 0.02 if router else (
+            random = key.endswith(kind.random_tensors)
+            tensors[key] = (torch.randn(shapes[key], generator=generator) * 0.02 if random else (
                 torch.zeros(shapes[key]))).to(torch.bfloat16)
         for key, tensor in revert_weight_conversion(model, tensors).items():
             writer.add(key, tensor)
     writer.finish()
     config.dtype = torch.bfloat16
-    config.architectures = [type(model).__name__]
+    config.architectures = [model_class.__name__]
     config.save_pretrained(folder)
-    (folder / WIDTHS_FILE).write_text(json.dumps(widths))
+    (folder / SOURCE_FILE).write_text(json.dumps({"widths": widths, "num_layers": num_layers}))
     return writer.total_size
 
 
 def _by_layer(keys: list[str]) -> list[list[str]]:
-    """The state-dict keys in groups: one per decoder layer, and one of the rest."""
+    """The state-dict keys in groups: one per layer or block of each stack, and one of the rest."""
     groups: dict[str, list[str]] = {}
     for key in keys:
-        prefix, _, rest = key.partition(".layers.")
-        group = f"{prefix}.layers.{rest.split('.')[0]}" if rest else ""
-        groups.setdefault(group, []).append(key)
+        layer = _LAYER.match(key)
+        groups.setdefault(layer[0] if layer else "", []).append(key)
     return list(groups.values())
+
+
+_LAYER = re.compile(r".*?\.(?:layers|blocks)\.\d+\.")
 
 
 def _bytes(size: str) -> int:
@@ -108,7 +195,23 @@ def _bytes(size: str) -> int:
     return convert_file_size_to_int(size)
 
 
+def source_record(folder: Path) -> dict:
+    """What `write_synthetic_source` wrote `folder` from: `{"widths": ..., "num_layers": ...}`."""
+    return json.loads((folder / SOURCE_FILE).read_text())
+
+
 # --- the converters, as the bench runs them ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConverter:
+    """How the bench runs a converter: `run(source folder, verify)` returns its report; `sources` names, by width
+    ("real" or "reduced"), the `SOURCES` it converts: the first is written at the source folder, the others (a
+    vision tower) into its subfolders named by `companions`."""
+
+    run: Callable[[Path, bool], dict]
+    sources: dict[str, str]
+    companions: dict[str, dict[str, str]] = field(default_factory=dict)  # subfolder -> sources by width
 
 
 def _moemb(variant: str) -> Callable[[Path, bool], dict]:
@@ -129,15 +232,67 @@ def _smoes(source: Path, verify: bool) -> dict:
     return convert_qwen3_5_moe_to_smoes(source, verify=verify, max_shard_size=_shard_size(source))[1]
 
 
+def _mote_llama(source: Path, verify: bool) -> dict:
+    from ..conversion.mote_llama import convert
+
+    vision = source / VISION_FOLDER
+    # no tokenizer: the <v> placeholder is a row of the source's own vocabulary
+    placeholders = dict(vision=vision, video_token_id=_vocab_size(source) - 1, frame_token_interval_id=11)
+    return convert(source, verify=verify, **(placeholders if vision.is_dir() else {})).provenance
+
+
+def _mote_glm_ocr(source: Path, verify: bool) -> dict:
+    from ..conversion.mote_glm_ocr import convert
+
+    return convert(source, verify=verify).provenance
+
+
+def _omnimoe_vl(source: Path, verify: bool) -> dict:
+    from ..conversion.omnimoe_vl_upcycle import convert
+
+    # two streams, from the first two blocks (which every depth has) instead of the paper's taps 1, 5, ..., 37, and
+    # the projector's top-k within them; no tokenizer: the vision tokens are rows of the source's own vocabulary
+    vocab_size = _vocab_size(source)
+    return convert(source, vision=source / VISION_FOLDER, verify=verify, vision_feature_layers=[1, 2],
+                   projector={"depth_top_k": 2, "fusion_top_k": 2}, image_token_id=vocab_size - 3,
+                   vision_start_token_id=vocab_size - 2, vision_end_token_id=vocab_size - 1,
+                   max_shard_size=_shard_size(source)).provenance
+
+
+def _vocab_size(source: Path) -> int:
+    return transformers.AutoConfig.from_pretrained(source).get_text_config().vocab_size
+
+
 def _shard_size(source: Path) -> str:
-    """The output shards of a source's widths (what `write_synthetic_source` wrote beside it)."""
-    return SHARD_SIZES[json.loads((source / WIDTHS_FILE).read_text())]
+    """The output shards of a source's widths (what `write_synthetic_source` wrote it from)."""
+    return SOURCES[source_record(source)["widths"]].shard_size
 
 
-CONVERTERS: dict[str, Callable[[Path, bool], dict]] = {
-    "moemb": _moemb("native"),
-    "smoes": _smoes,
-}
+VISION_FOLDER = "vision"
+_QWEN3_5_MOE = {"real": "qwen3_5_moe", "reduced": "qwen3_5_moe-reduced"}
+_LLAMA = {"real": "llama3_2_1b", "reduced": "llama3_2_1b-reduced"}
+CONVERTERS: dict[str, BenchConverter] = {
+    "moemb": BenchConverter(_moemb("native"), _QWEN3_5_MOE),
+    "smoes": BenchConverter(_smoes, _QWEN3_5_MOE),
+    "mote-llama": BenchConverter(_mote_llama, _LLAMA, {
+        VISION_FOLDER: {"real": "siglip2_large", "reduced": "siglip2_large-reduced"},
+    }),
+    "mote-llama-text": BenchConverter(_mote_llama, _LLAMA),
+    "mote-glm-ocr": BenchConverter(_mote_glm_ocr, {"real": "glm_ocr", "reduced": "glm_ocr-reduced"}),
+    "omnimoe-vl": BenchConverter(_omnimoe_vl, {"real": "qwen3_8b", "reduced": "qwen3_8b-reduced"}, {
+        VISION_FOLDER: {"real": "siglip2_giant", "reduced": "siglip2_giant-reduced"},
+    }),
+}  # fmt: skip
+
+
+def write_converter_source(folder: Path, converter: str, widths: str, num_layers: int) -> int:
+    """The sources `converter` reads at `widths` ("real" or "reduced"), each `num_layers` deep: the first at `folder`,
+    the others in its subfolders; returns the bytes of all their tensors."""
+    bench = CONVERTERS[converter]
+    total = write_synthetic_source(folder, bench.sources[widths], num_layers)
+    for subfolder, sources in bench.companions.items():
+        total += write_synthetic_source(folder / subfolder, sources[widths], num_layers)
+    return total
 
 
 # --- measuring ------------------------------------------------------------------------------------------------------
@@ -193,7 +348,7 @@ def release_freed_memory() -> None:
 
 def measure_here(converter: str, sources: Sequence[Path], verify: bool) -> list[Measurement]:
     """Convert each source in this process, the first once unmeasured before, and report each."""
-    run = CONVERTERS[converter]
+    run = CONVERTERS[converter].run
     run(sources[0], verify)
     results = []
     for source in sources:
@@ -204,10 +359,9 @@ def measure_here(converter: str, sources: Sequence[Path], verify: bool) -> list[
             report = run(source, verify)
         seconds = time.perf_counter() - start
         release_freed_memory()
-        config = json.loads((source / "config.json").read_text())
         results.append(Measurement(
-            converter=converter, source_layers=config["text_config"]["num_hidden_layers"],
-            source_bytes=sum(path.stat().st_size for path in source.glob("*.safetensors")), verify=verify,
+            converter=converter, source_layers=source_record(source)["num_layers"],
+            source_bytes=sum(path.stat().st_size for path in source.rglob("*.safetensors")), verify=verify,
             peak_anonymous_bytes=sampler.peak - before, seconds=round(seconds, 2),
             max_abs_diff=report.get("max_abs_diff"),
         ))  # fmt: skip
@@ -236,9 +390,9 @@ def depth_growth(shallow: Measurement, deep: Measurement) -> float:
 
 def add_bench_arguments(parser) -> None:
     parser.add_argument("--converters", nargs="+", choices=list(CONVERTERS), default=list(CONVERTERS))
-    parser.add_argument("--widths", choices=list(SOURCES), default="qwen3_5_moe",
-                        help="qwen3_5_moe: Qwen3.5-35B-A3B's real widths (about 2 GB per layer in bf16); "
-                             "qwen3_5_moe-reduced: the same layout at test widths")
+    parser.add_argument("--widths", choices=("real", "reduced"), default="real",
+                        help="real: the released checkpoints' widths (Qwen3.5-35B-A3B's layers weigh about 2 GB in "
+                             "bf16); reduced: the same layouts at test widths")
     parser.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS),
                         help="source depths to convert (the growth is measured between the first and the last)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
@@ -249,11 +403,15 @@ def add_bench_arguments(parser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    rows = []
     with tempfile.TemporaryDirectory(prefix="moezoo-bench-conversion-", dir=args.workdir) as workdir:
-        sources = [Path(workdir) / f"source-{layers}" for layers in args.layers]
-        for folder, layers in zip(sources, args.layers):
-            write_synthetic_source(folder, args.widths, layers)
-        rows = [row for converter in args.converters for row in measure_in_child(converter, sources, args.verify)]
+        for converter in args.converters:
+            sources = [Path(workdir) / f"{converter}-{layers}" for layers in args.layers]
+            for folder, layers in zip(sources, args.layers):
+                write_converter_source(folder, converter, args.widths, layers)
+            rows += measure_in_child(converter, sources, args.verify)
+            for folder in sources:
+                shutil.rmtree(folder)
     if args.json:
         print(json.dumps([asdict(row) for row in rows], indent=2))
         return 0
@@ -264,7 +422,7 @@ def run_bench(args: argparse.Namespace) -> int:
         table.append([row.converter, row.source_layers, f"{row.source_bytes / 1e9:.2f} GB",
                       f"{row.peak_anonymous_bytes / 1e9:.2f} GB", f"{row.seconds:.1f} s", row.max_abs_diff, growth])
     print_table(
-        f"conversion of synthetic {args.widths} sources (bf16, zeros but the routers)"
+        f"conversion of synthetic sources at {args.widths} widths (bf16, zeros but the routers)"
         + (", with the default verification" if args.verify else ", --no-verify"),
         ["converter", "layers", "source", "peak anonymous memory", "wall time", "max |Δ|", "growth (share of the "
          "added layers' bytes)"],
