@@ -6,6 +6,12 @@ The official release (`facebook/MoEViE-{B16-224, L16-384, H14-448}`, CC BY-NC 4.
 q/k/v, conv patch embedding flattened to a linear one in (py, px, c) order, projections transposed), so the
 converted model computes the official forward up to float reassociation.
 
+Memory: a pickle cannot be read tensor by tensor the way safetensors can, but the zipfile format `torch.save` writes
+can be memory-mapped (`torch.load(mmap=True, weights_only=True)`): the tensors stay in the file (the page cache's,
+reclaimable, not the process's) until each is written, so `moezoo convert` holds one output shard in the output dtype
+plus the few small tensors the key map transposes (projections, patch embedding), whatever the depth. There is no
+source model to verify against (the official forward is not run here; see `max_abs_diff` in the report).
+
 The configuration is inferred from the tensor shapes. What shapes cannot tell (text and pooling heads, the routed
 top-k, the image size) comes from the official OpenCLIP model config when one is given or lies beside the
 checkpoint (`open_clip_config.json` or `<checkpoint name>.json`), else from the matching released configuration
@@ -25,16 +31,17 @@ from pathlib import Path
 
 import torch
 from transformers.initialization import no_init_weights
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moe_vie import OFFICIAL_MOE_VIE_CONFIGS, MoeVieConfig
 from ..modeling.moe.accounting import count_parameters
-from ..modeling.moe.router import TopKRouter
 from ..modeling.moe_vie import MoeVieModel, rope_2d_inverse_frequencies
 from ..hub.sources import TOKENIZER_FILES, locate
 from ..processors.build import CLIP_TOKENIZER_REPO, load_clip_tokenizer, make_moe_vie_processor
 from .common import ConversionResult, option_name
 from .cost import PlannedOutput
-from .dtypes import add_dtype_argument, checkpoint_tensors, load_checked, output_dtype
+from .dtypes import add_dtype_argument, cast_model, checkpoint_tensors, load_checked, output_dtype, saved_tensors
+from .streaming import ShardWriter, StreamedModel
 
 
 LICENSE = "cc-by-nc-4.0"
@@ -51,7 +58,8 @@ def convert_official_checkpoint(
     open_clip_config: str | Path | Mapping | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> tuple[MoeVieModel, dict]:
-    """Convert an official MoE-ViE checkpoint (a `.pt` file, or a folder holding one) into a `MoeVieModel`.
+    """Convert an official MoE-ViE checkpoint (a `.pt` file, or a folder holding one) into a `MoeVieModel` in memory
+    (for tests and small models; `convert` streams the conversion into a folder, see `write_official_checkpoint`).
 
     Args:
         path: the checkpoint file, or a folder with exactly one `.pt`/`.pth`/`.bin` file.
@@ -69,49 +77,84 @@ def convert_official_checkpoint(
         ValueError: the file is not a readable weights-only checkpoint, is not a MoE-ViE checkpoint, lacks tensors,
             or has tensors that disagree with each other or with the given config.
     """
-    checkpoint_file = _checkpoint_file(Path(path))
-    open_clip_config, model_cfg = _open_clip_config_of(checkpoint_file, open_clip_config)
-
-    state_dict = load_official_state_dict(checkpoint_file)
-    config, config_origin = infer_official_config(state_dict, model_cfg)
-    hf_state_dict, accounting = convert_state_dict(state_dict, config)
-    dtype = output_dtype(dtype, checkpoint_file)
-
+    conversion = _OfficialConversion(Path(path), open_clip_config, dtype)
     with no_init_weights():
-        model = MoeVieModel(config)
-    model.to(dtype)
-    for router in (module for module in model.modules() if isinstance(module, TopKRouter)):
-        router.e_score_correction_bias = router.e_score_correction_bias.float()
-    load_checked(model, hf_state_dict, strict=True)
-    model.eval()
+        model = cast_model(MoeVieModel(conversion.config), conversion.dtype, check=False)
+    load_checked(model, conversion.hf_state_dict, strict=True)
+    return model.eval(), conversion.report()
 
-    vision = count_parameters(model.vision_model)
-    report = {
-        "source": str(checkpoint_file),
-        "source_format": "official MoE-ViE OpenCLIP state dict, read with torch.load(weights_only=True)",
-        "base_model": f"facebook/{config_origin}" if config_origin in OFFICIAL_MOE_VIE_CONFIGS else None,
-        "config_origin": config_origin,
-        "open_clip_config": str(open_clip_config) if isinstance(open_clip_config, (str, Path)) else None,
-        "license": LICENSE,
-        "license_name": "CC BY-NC 4.0",
-        "key_accounting": accounting,
-        "parameters": {
-            "total": sum(p.numel() for p in model.parameters()),
-            "vision_total": vision.total,
-            "vision_active": vision.active,
-        },
-        "image_size": config.vision_config.image_size,
-        **PREPROCESSING,
-        # The official forward cannot run here; the key map is a pure reshape and the tests check a converted
-        # checkpoint against an independent reference forward of the official model (<= 1e-5 in fp32).
-        "max_abs_diff": None,
-        "notes": [
-            "Router logits are computed in fp32; the official code runs the router under bf16 autocast, so near-tied "
-            "top-k choices may differ in bf16 (spec §11, item 20).",
-            "The text tower pools the first EOS token; for CLIP's tokenizer this is the official argmax(input_ids).",
-        ],
-    }
-    return model, report
+
+def write_official_checkpoint(
+    path: str | Path,
+    output: str | Path,
+    open_clip_config: str | Path | Mapping | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> dict:
+    """`convert_official_checkpoint` streamed into the folder `output` (config.json and safetensors shards of at most
+    `max_shard_size`), the model never built: the checkpoint is memory-mapped (`torch.load(mmap=True)`), so its
+    tensors are read from the file as each is written, and the conversion holds one output shard (in the output
+    dtype) and the few tensors the key map transposes or reshapes. Returns the report."""
+    conversion = _OfficialConversion(Path(path), open_clip_config, dtype)
+    with torch.device("meta"):
+        skeleton = MoeVieModel(conversion.config)
+    kept_in_float32 = {name for name, _, float32_kept in saved_tensors(skeleton) if float32_kept}
+    writer = ShardWriter(Path(output), convert_file_size_to_int(max_shard_size), conversion.dtype)
+    for key, tensor in conversion.hf_state_dict.items():
+        writer.add(key, tensor, cast=key not in kept_in_float32)
+    writer.finish()
+    config = conversion.config
+    config.architectures = [MoeVieModel.__name__]
+    config.dtype = conversion.dtype
+    config.save_pretrained(output)
+    return conversion.report()
+
+
+class _OfficialConversion:
+    """An official checkpoint memory-mapped, its configuration, and its tensors under the `MoeVieModel` names (views
+    of the mapped file where the key map only renames or splits)."""
+
+    def __init__(self, path: Path, open_clip_config: str | Path | Mapping | None, dtype: str | torch.dtype | None):
+        self.checkpoint_file = _checkpoint_file(path)
+        self.open_clip_config, model_cfg = _open_clip_config_of(self.checkpoint_file, open_clip_config)
+        state_dict = load_official_state_dict(self.checkpoint_file)
+        self.config, self.config_origin = infer_official_config(state_dict, model_cfg)
+        self.hf_state_dict, self.accounting = convert_state_dict(state_dict, self.config)
+        self.dtype = output_dtype(dtype, self.checkpoint_file)
+
+    def report(self) -> dict:
+        with torch.device("meta"):
+            model = MoeVieModel(self.config)
+        vision = count_parameters(model.vision_model)
+        config_origin = self.config_origin
+        return {
+            "source": str(self.checkpoint_file),
+            "source_format": "official MoE-ViE OpenCLIP state dict, read with torch.load(weights_only=True, mmap=True)",
+            "base_model": f"facebook/{config_origin}" if config_origin in OFFICIAL_MOE_VIE_CONFIGS else None,
+            "config_origin": config_origin,
+            "open_clip_config": (str(self.open_clip_config) if isinstance(self.open_clip_config, (str, Path))
+                                 else None),  # fmt: skip
+            "license": LICENSE,
+            "license_name": "CC BY-NC 4.0",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "key_accounting": self.accounting,
+            "parameters": {
+                "total": sum(p.numel() for p in model.parameters()),
+                "vision_total": vision.total,
+                "vision_active": vision.active,
+            },
+            "image_size": self.config.vision_config.image_size,
+            **PREPROCESSING,
+            # The official forward cannot run here; the key map is a pure reshape and the tests check a converted
+            # checkpoint against an independent reference forward of the official model (<= 1e-5 in fp32).
+            "max_abs_diff": None,
+            "notes": [
+                "Router logits are computed in fp32; the official code runs the router under bf16 autocast, so "
+                "near-tied top-k choices may differ in bf16 (spec §11, item 20).",
+                "The text tower pools the first EOS token; for CLIP's tokenizer this is the official "
+                "argmax(input_ids).",
+            ],
+        }
 
 
 def _open_clip_config_of(checkpoint_file: Path, open_clip_config: str | Path | Mapping | None):
@@ -134,14 +177,17 @@ def plan_output(source: Path, open_clip_config: str | None = None, **_other_opti
 
 
 def load_official_state_dict(checkpoint_file: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of an OpenCLIP checkpoint file, unwrapped from `{"state_dict": ...}` and `module.` prefixes."""
+    """The tensors of an OpenCLIP checkpoint file, unwrapped from `{"state_dict": ...}` and `module.` prefixes, mapped
+    from the file (`torch.load(mmap=True)`): a tensor's bytes are read when it is used, and belong to the page cache,
+    not to the process."""
     try:
-        loaded = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
+        loaded = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
         raise ValueError(
-            f"{checkpoint_file} is not a readable PyTorch checkpoint for torch.load(weights_only=True) "
+            f"{checkpoint_file} is not a readable PyTorch checkpoint for torch.load(weights_only=True, mmap=True) "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); a corrupt or truncated "
-            "download, or a pickle with arbitrary objects (which is never loaded)"
+            "download, a pickle with arbitrary objects (which is never loaded), or the legacy (pre-1.6) format, which "
+            "cannot be mapped: re-save it with torch.save"
         ) from error
     if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
         loaded = loaded["state_dict"]
@@ -577,15 +623,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help=f"a CLIP tokenizer folder or Hub id (default: {CLIP_TOKENIZER_REPO})")
     add_dtype_argument(parser)
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="the largest output shard, which the conversion holds in memory before writing it")
 
 
 def convert(source: Path, open_clip_config: str | None = None, tokenizer: str | None = None,
-            dtype: str | None = None) -> ConversionResult:
-    """The converter behind the command: the model, the official preprocessing and CLIP's tokenizer."""
+            dtype: str | None = None, max_shard_size: str = "5GB") -> ConversionResult:
+    """The converter behind the command: the model, streamed into a temporary folder (the result's `StreamedModel`,
+    which `moezoo convert` moves into its output), the official preprocessing and CLIP's tokenizer."""
     # Found before the conversion, which takes minutes at paper scale: a tokenizer that cannot be had fails at once.
     tokenizer_folder = locate(tokenizer or CLIP_TOKENIZER_REPO, "CLIP's tokenizer",
                               how="pass --tokenizer with a local CLIP tokenizer folder", allow_patterns=TOKENIZER_FILES)
-    model, report = convert_official_checkpoint(source, open_clip_config=open_clip_config, dtype=dtype)
+    model = StreamedModel(MoeVieModel, "moe-vie-conversion-")
+    report = write_official_checkpoint(source, model.folder, open_clip_config=open_clip_config, dtype=dtype,
+                                       max_shard_size=max_shard_size)
     text_config = model.config.text_config
     processor = make_moe_vie_processor(
         model.config,

@@ -24,31 +24,74 @@ FixRes SigLIP checkpoints (`model_type: siglip`, e.g. google/siglip2-base-patch1
 
 import math
 import re
+import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, SiglipModel, Siglip2Model
 from transformers.image_utils import PILImageResampling
-from transformers.initialization import no_init_weights
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moe_vie import MoeVieConfig
-from ..hub.sources import TOKENIZER_FILES, check_safetensors, locate
+from ..hub.sources import TOKENIZER_FILES, locate
 from ..modeling.moe.accounting import count_parameters
 from ..modeling.moe_vie import MoeVieModel
 from ..processors.build import make_moe_vie_processor
 from .common import ConversionResult, option_name
 from .cost import PlannedOutput
-from .dtypes import add_dtype_argument, cast_model, load_checked, output_dtype
+from .dtypes import add_dtype_argument, output_dtype, saved_tensors
+from .streaming import (
+    Build,
+    ShardWriter,
+    SourceCheckpoint,
+    StreamedModel,
+    TensorGroup,
+    check_plan,
+    copy_as,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
-SOURCE_MODEL_TYPES = ("siglip", "siglip2")
+SOURCE_CLASSES = {"siglip": SiglipModel, "siglip2": Siglip2Model}
+SOURCE_MODEL_TYPES = tuple(SOURCE_CLASSES)
+# The modules that read a submodule's weight outside its forward, kept in memory by the verification
+# (`load_layer_by_layer`): the vision embeddings of SigLIP2 and of MoE-ViE's SigLIP profile resize the position
+# embedding's weight themselves.
+SOURCE_RESIDENT_MODULES = ("SiglipVisionEmbeddings", "Siglip2VisionEmbeddings")
 MODES = ("exact", "noisy")
 LICENSE = "apache-2.0"
 _VISION_MLP = re.compile(r"vision_model\.encoder\.layers\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)")
 
 
-def upcycle_siglip_checkpoint(
-    source: str | Path | PreTrainedModel,
+def upcycle_siglip_checkpoint(source: str | Path | PreTrainedModel, **options) -> tuple[MoeVieModel, dict]:
+    """Upcycle a SigLIP or SigLIP2 dual encoder into a `MoeVieModel`, loaded in memory (for tests and small models;
+    `convert` streams the conversion without ever loading it).
+
+    Args:
+        source: a loaded `SiglipModel` / `Siglip2Model` (saved into a temporary folder first), or a folder that
+            `AutoModel` loads as one.
+        options: those of `upcycle_siglip_folder`.
+
+    Returns:
+        The model in eval mode and `upcycle_siglip_folder`'s report.
+    """
+    model = StreamedModel(MoeVieModel, "moe-vie-upcycling-")
+    if not isinstance(source, PreTrainedModel):
+        report = upcycle_siglip_folder(Path(source), model.folder, **options)
+        return model.load(), report
+    _check_source_model(source)
+    with tempfile.TemporaryDirectory(prefix="moe-vie-upcycling-source-") as folder:
+        source.save_pretrained(folder)
+        report = upcycle_siglip_folder(Path(folder), model.folder, **options)
+    report["source"] = source.config.name_or_path or type(source).__name__
+    report["base_model"] = source.config.name_or_path or None
+    return model.load(), report
+
+
+def upcycle_siglip_folder(
+    source: Path,
+    output: Path,
     num_experts: int = 32,
     granularity: int = 4,
     top_k: int = 3,
@@ -60,11 +103,13 @@ def upcycle_siglip_checkpoint(
     seed: int = 0,
     verify: bool = True,
     dtype: str | torch.dtype | None = None,
-) -> tuple[MoeVieModel, dict]:
-    """Upcycle a SigLIP or SigLIP2 dual encoder into a `MoeVieModel`.
+    max_shard_size: int | str = "5GB",
+) -> dict:
+    """Upcycle the SigLIP / SigLIP2 checkpoint folder `source` (config.json and safetensors) into a MoE-ViE folder at
+    `output`, tensor by tensor. Every option and the whole tensor plan are checked on the `meta` device before a
+    weight is read; the conversion then holds one dense MLP and its experts, and one output shard, at a time.
 
     Args:
-        source: a loaded `SiglipModel` / `Siglip2Model`, or a folder (or Hub id) that `AutoModel` loads as one.
         num_experts: experts per MoE layer, shared ones included (32 in MoE-ViE).
         granularity: how many experts one dense MLP is cut into (`c`; 4 in MoE-ViE); must divide its width.
         top_k: routed experts per token (`k_r`), at least `granularity - n_shared_experts`.
@@ -73,38 +118,49 @@ def upcycle_siglip_checkpoint(
         mode: `"exact"` (zero router) or `"noisy"` (router weight ~ N(0, router_std^2), seeded by `seed`).
         router_bias: the selection bias delta of the designated and null experts; >= 1 keeps the initial routes
             in noisy mode too, since affinities lie in (0, 1).
-        verify: run both models on a synthetic batch with padding and report the largest differences.
-        dtype: of the returned model (default: the source's); the balancing biases stay fp32 whatever it is.
+        verify: run both models on a synthetic batch with padding and report the largest differences; both run
+            layer by layer (`streaming.load_layer_by_layer`).
+        dtype: of the output (default: the source's); the balancing biases stay fp32 whatever it is.
+        max_shard_size: the largest output shard (bytes or a string like `"5GB"`).
 
     Returns:
-        The model in eval mode and a report (source, options, key accounting, parameter counts, licence and the
-        measured `max_abs_diff` against the source).
+        A report: source, options, key accounting, parameter counts, licence and the measured `max_abs_diff`
+        against the source.
     """
-    source_model = _load_source(source)  # in fp32: the dtype is the checkpoint's, a given model's its own
-    dtype = output_dtype(dtype, source if isinstance(source, PreTrainedModel) else Path(source))
-    source_config = source_model.config
+    checkpoint = SourceCheckpoint(source, "the source")
+    _check_model_type(checkpoint.model_type)
+    source_config = AutoConfig.from_pretrained(str(source))
+    if not getattr(source_config.vision_config, "vision_use_head", True):
+        raise ValueError("the source vision tower has no attention-pooling head (vision_use_head=False)")
     config, plan = _upcycled_config(source_config, num_experts, granularity, top_k, n_shared_experts, moe_layers)
     _check_options(mode, router_std, router_bias)
     router_std = router_std if mode == "noisy" else 0.0
+    dtype = output_dtype(dtype, source)
 
-    with no_init_weights():
-        model = cast_model(MoeVieModel(config), dtype, check=False)
-    generator = torch.Generator().manual_seed(seed)
-    state_dict, accounting = _upcycled_state_dict(
-        source_model.state_dict(), set(model.state_dict()), plan, set(config.vision_config.moe_layers), router_std,
-        router_bias, generator,
-    )
-    load_checked(model, state_dict, strict=True)
-    model.eval()
+    with torch.device("meta"):
+        skeleton = MoeVieModel(config)
+    kept_in_float32 = {name for name, _, float32_kept in saved_tensors(skeleton) if float32_kept}
+    groups = _upcycling_groups(checkpoint.shapes, plan, config.vision_config.moe_layers, router_std, router_bias, seed)
+    expected = {key: tuple(tensor.shape) for key, tensor in skeleton.state_dict().items()}
+    check_plan([checkpoint], groups, (), expected, "the upcycled MoE-ViE model")
 
-    differences = _measure_differences(source_model, model) if verify else None
-    vision = count_parameters(model.vision_model)
-    source_name = source_config.name_or_path or None  # a folder or Hub id; empty for a model built in memory
+    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), dtype)
+    for key, tensor in stream_groups([checkpoint], groups):
+        writer.add(key, tensor, cast=key not in kept_in_float32)
+    writer.finish()
+    config.architectures = [MoeVieModel.__name__]
+    config.dtype = dtype
+    config.save_pretrained(output)
+
+    differences = measure_differences(source, output) if verify else None
+    vision = count_parameters(skeleton.vision_model)
+    upcycled = sum(len(group.sources) for group in groups if len(group.sources) > 1)
     report = {
-        "source": source_name or type(source_model).__name__,
-        "source_model_type": source_config.model_type,
-        "base_model": source_name,
+        "source": str(source),
+        "source_model_type": checkpoint.model_type,
+        "base_model": str(source),
         "license": LICENSE,
+        "dtype": str(dtype).removeprefix("torch."),
         "label": "MoE-ViE-style, upcycled from a dense SigLIP checkpoint (not a MoE-ViE checkpoint of the paper)",
         "upcycling": {
             "mode": mode, "num_experts": num_experts, "n_shared_experts": n_shared_experts,
@@ -112,9 +168,14 @@ def upcycle_siglip_checkpoint(
             "router_bias": router_bias, "router_std": router_std, "seed": seed,
             "moe_layers": list(config.vision_config.moe_layers),
         },
-        "key_accounting": accounting,
+        "key_accounting": {
+            "source_tensors": len(checkpoint.shapes),
+            "copied": len(checkpoint.shapes) - upcycled,
+            "upcycled_into_experts": upcycled,
+            "unexpected": [],  # every source tensor has a target, or check_plan failed before a weight was read
+        },
         "parameters": {
-            "total": sum(p.numel() for p in model.parameters()),
+            "total": sum(p.numel() for p in skeleton.parameters()),
             "vision_total": vision.total,
             "vision_active": vision.active,
         },
@@ -125,12 +186,12 @@ def upcycle_siglip_checkpoint(
             "during training.",
         ],
     }
-    if source_config.model_type == "siglip":
+    if checkpoint.model_type == "siglip":
         report["notes"].append(
             "Learned positions are resized like Siglip2 NaFlex (bilinear, antialiased); SigLIP's bicubic "
             "interpolate_pos_encoding differs at other resolutions, so outputs are identical at the native grid only."
         )
-    return model, report
+    return report
 
 
 def _upcycled_config(source_config, num_experts, granularity, top_k, n_shared_experts, moe_layers):
@@ -201,16 +262,10 @@ def _check_options(mode: str, router_std: float, router_bias: float) -> None:
         raise ValueError(f"router_bias must be > 0 so that the designated experts are selected, got {router_bias!r}")
 
 
-def _load_source(source: str | Path | PreTrainedModel) -> PreTrainedModel:
-    if not isinstance(source, PreTrainedModel):
-        check_safetensors(Path(source))  # transformers' error for a corrupt file would not name it
-        source = AutoModel.from_pretrained(str(source), dtype=torch.float32)
+def _check_source_model(source: PreTrainedModel) -> None:
     _check_model_type(source.config.model_type)
     if not (hasattr(source, "vision_model") and hasattr(source, "text_model")):
         raise ValueError(f"{type(source).__name__} is not a dual encoder: upcycle the full SiglipModel/Siglip2Model")
-    if not getattr(source.config.vision_config, "vision_use_head", True):
-        raise ValueError("the source vision tower has no attention-pooling head (vision_use_head=False)")
-    return source
 
 
 def _check_model_type(model_type: str) -> None:
@@ -266,103 +321,106 @@ def _moe_vie_config(source_config, plan: _UpcyclingPlan, moe_layers: list[int]) 
     )
 
 
-def _upcycled_state_dict(source_state, target_keys, plan, moe_layers, router_std, router_bias, generator):
-    """Map every source tensor to the target state dict; the vision MLPs of `moe_layers` become MoE tensors."""
-    state, dense_mlps = {}, {}
-    for key, tensor in source_state.items():
+def _upcycling_groups(shapes, plan, moe_layers, router_std, router_bias, seed) -> list[TensorGroup]:
+    """What each source tensor becomes: the vision MLPs of `moe_layers` (their four tensors together) MoE tensors,
+    the others copied or reshaped. The routers are drawn here, layer by layer in order, so that the result does not
+    depend on the order the source's files hold the tensors in."""
+    groups, dense_mlps = [], {}
+    for key in shapes:
         match = _VISION_MLP.fullmatch(key)
         if match and int(match[1]) in moe_layers:
-            dense_mlps.setdefault(int(match[1]), {})[f"{match[2]}.{match[3]}"] = tensor
-        elif key == "vision_model.embeddings.patch_embedding.weight" and tensor.ndim == 4:
-            # FixRes SigLIP: Conv2d (H, C, p, p) -> Linear (H, p*p*C) in (py, px, c) order.
-            state[key] = tensor.permute(0, 2, 3, 1).reshape(tensor.shape[0], -1)
+            dense_mlps.setdefault(int(match[1]), []).append(key)
+        elif key == "vision_model.embeddings.patch_embedding.weight" and len(shapes[key]) == 4:
+            groups.append(TensorGroup((key,), _conv_to_linear))
         elif key.startswith("text_model.head."):
-            state[key.replace("text_model.head.", "text_projection.")] = tensor
+            groups.append(copy_as(key, key.replace("text_model.head.", "text_projection.")))
         elif key == "logit_scale":
-            state[key] = tensor.reshape(())
+            groups.append(TensorGroup((key,), lambda tensors, device: {"logit_scale": tensors["logit_scale"].reshape(())}))
         else:
-            state[key] = tensor
-    for layer, dense in sorted(dense_mlps.items()):
-        state |= _upcycled_mlp(f"vision_model.encoder.layers.{layer}.mlp", dense, plan, router_std, router_bias,
-                               generator)
-    unmapped = sorted(set(state) - target_keys)
-    uncovered = sorted(target_keys - set(state))
-    if unmapped or uncovered:
-        raise ValueError(
-            f"the source does not map onto the upcycled model: source tensors without a target {unmapped[:8]}, "
-            f"target tensors without a source {uncovered[:8]}"
-        )
-    upcycled = sum(len(dense) for dense in dense_mlps.values())
-    accounting = {
-        "source_tensors": len(source_state),
-        "copied": len(source_state) - upcycled,
-        "upcycled_into_experts": upcycled,
-        "unexpected": [],  # every source tensor has a target, or the conversion fails
-    }
-    return state, accounting
+            groups.append(copy_as(key, key))
+    generator = torch.Generator().manual_seed(seed)
+    for layer in sorted(dense_mlps):
+        prefix = f"vision_model.encoder.layers.{layer}.mlp"
+        sources = tuple(f"{prefix}.{name}" for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+        hidden_size = shapes[f"{prefix}.fc1.weight"][1]
+        router_weight = torch.randn(plan.routed, hidden_size, generator=generator) * router_std
+        groups.append(TensorGroup(sources, _upcycled_mlp(prefix, plan, router_weight, router_bias)))
+    return groups
 
 
-def _upcycled_mlp(prefix, dense, plan, router_std, router_bias, generator) -> dict[str, torch.Tensor]:
+def _conv_to_linear(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """FixRes SigLIP: Conv2d (H, C, p, p) -> Linear (H, p*p*C) in (py, px, c) order."""
+    key = "vision_model.embeddings.patch_embedding.weight"
+    return {key: tensors[key].permute(0, 2, 3, 1).reshape(tensors[key].shape[0], -1)}
+
+
+def _upcycled_mlp(prefix: str, plan: _UpcyclingPlan, router_weight: torch.Tensor, router_bias: float) -> Build:
     """One dense GELU MLP (`fc1 (I, H)`, `fc2 (H, I)`, biases) -> router, routed experts and shared expert."""
-    fc1, fc1_bias, fc2, fc2_bias = dense["fc1.weight"], dense["fc1.bias"], dense["fc2.weight"], dense["fc2.bias"]
-    hidden_size = fc1.shape[1]
-    chunks = [plan.chunk(plan.routed_chunk(expert)) for expert in range(plan.routed)]
-    down_proj = torch.stack([fc2[:, chunk] for chunk in chunks])  # (R, H, I_e)
-    down_proj[plan.designated : plan.top_k] = 0  # the null experts
-    down_proj_bias = torch.zeros(plan.routed, hidden_size, dtype=fc2_bias.dtype)
-    router_weight = torch.randn(plan.routed, hidden_size, generator=generator) * router_std
-    selection_bias = torch.zeros(plan.routed, dtype=torch.float32)
-    selection_bias[: plan.top_k] = router_bias  # the designated and null experts
-    tensors = {
-        f"{prefix}.gate.weight": router_weight.to(fc1.dtype),
-        f"{prefix}.gate.e_score_correction_bias": selection_bias,
-        f"{prefix}.experts.up_proj": torch.stack([fc1[chunk] for chunk in chunks]),  # (R, I_e, H)
-        f"{prefix}.experts.up_proj_bias": torch.stack([fc1_bias[chunk] for chunk in chunks]),
-        f"{prefix}.experts.down_proj": down_proj,
-        f"{prefix}.experts.down_proj_bias": down_proj_bias,
-    }
-    if plan.shared:
-        shared = slice(0, plan.shared * plan.expert_width)
-        tensors |= {
-            f"{prefix}.shared_expert.up_proj.weight": fc1[shared],
-            f"{prefix}.shared_expert.up_proj.bias": fc1_bias[shared],
-            f"{prefix}.shared_expert.down_proj.weight": fc2[:, shared],
-            f"{prefix}.shared_expert.down_proj.bias": fc2_bias,
+
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+        fc1, fc1_bias, fc2, fc2_bias = (tensors[f"{prefix}.{name}"]
+                                        for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))  # fmt: skip
+        chunks = [plan.chunk(plan.routed_chunk(expert)) for expert in range(plan.routed)]
+        down_proj = torch.stack([fc2[:, chunk] for chunk in chunks])  # (R, H, I_e)
+        down_proj[plan.designated : plan.top_k] = 0  # the null experts
+        down_proj_bias = fc2_bias.new_zeros(plan.routed, fc2.shape[0])
+        selection_bias = torch.zeros(plan.routed, dtype=torch.float32, device=device)
+        selection_bias[: plan.top_k] = router_bias  # the designated and null experts
+        upcycled = {
+            f"{prefix}.gate.weight": router_weight.to(device=device, dtype=fc1.dtype),
+            f"{prefix}.gate.e_score_correction_bias": selection_bias,
+            f"{prefix}.experts.up_proj": torch.stack([fc1[chunk] for chunk in chunks]),  # (R, I_e, H)
+            f"{prefix}.experts.up_proj_bias": torch.stack([fc1_bias[chunk] for chunk in chunks]),
+            f"{prefix}.experts.down_proj": down_proj,
+            f"{prefix}.experts.down_proj_bias": down_proj_bias,
         }
-    else:
-        down_proj_bias[0] = fc2_bias  # the first designated expert, whose gate is 1 for every token
-    return tensors
+        if plan.shared:
+            shared = slice(0, plan.shared * plan.expert_width)
+            upcycled |= {
+                f"{prefix}.shared_expert.up_proj.weight": fc1[shared],
+                f"{prefix}.shared_expert.up_proj.bias": fc1_bias[shared],
+                f"{prefix}.shared_expert.down_proj.weight": fc2[:, shared],
+                f"{prefix}.shared_expert.down_proj.bias": fc2_bias,
+            }
+        else:
+            down_proj_bias[0] = fc2_bias  # the first designated expert, whose gate is 1 for every token
+        return upcycled
+
+    return build
 
 
 @torch.no_grad()
-def _measure_differences(source_model: PreTrainedModel, model: MoeVieModel) -> dict[str, float]:
-    """Both models on two images (the second padded, for SigLIP2) and two texts: largest absolute differences."""
-    generator = torch.Generator().manual_seed(0)
-    vision, text = source_model.config.vision_config, source_model.config.text_config
-    patch, channels = vision.patch_size, vision.num_channels
-    grid = model.config.vision_config.num_patches
-    side = math.isqrt(grid)
-    input_ids = torch.randint(0, text.vocab_size, (2, text.max_position_embeddings), generator=generator)
-    if source_model.config.model_type == "siglip":
-        images = torch.randn(2, channels, side * patch, side * patch, generator=generator)
-        spatial_shapes = torch.tensor([[side, side], [side, side]])
-        pixel_values = _patchify(images, patch)
-        pixel_attention_mask = torch.ones(2, grid, dtype=torch.long)
-        source_inputs = {"pixel_values": images}
-    else:
-        spatial_shapes = torch.tensor([[side, side], [max(1, side // 2), side]])
-        pixel_values = torch.randn(2, grid, patch * patch * channels, generator=generator)
-        pixel_attention_mask = (torch.arange(grid)[None] < spatial_shapes.prod(-1, keepdim=True)).long()
-        source_inputs = {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask,
-                         "spatial_shapes": spatial_shapes}
-    was_training = source_model.training
-    source_model.eval()
-    dtype = next(source_model.parameters()).dtype
-    expected = source_model(input_ids=input_ids, **{k: v.to(dtype) if v.is_floating_point() else v
-                                                     for k, v in source_inputs.items()})
-    source_model.train(was_training)
-    got = model(input_ids=input_ids, pixel_values=pixel_values, pixel_attention_mask=pixel_attention_mask,
-                spatial_shapes=spatial_shapes)
+def measure_differences(source: Path, converted: Path) -> dict[str, float]:
+    """The source and the upcycled folder in fp32 on two images (the second padded, for SigLIP2) and two texts: the
+    largest absolute differences. Both models run layer by layer (`load_layer_by_layer`), so the memory this takes
+    does not grow with the depth."""
+    source_class = SOURCE_CLASSES[AutoConfig.from_pretrained(str(source)).model_type]
+    with tempfile.TemporaryDirectory(prefix="moe-vie-verification-") as offload:
+        source_model = load_layer_by_layer(source_class, source, Path(offload) / "source",
+                                           resident_modules=SOURCE_RESIDENT_MODULES, dtype=torch.float32)
+        model = load_layer_by_layer(MoeVieModel, converted, Path(offload) / "converted",
+                                    resident_modules=("MoeVieVisionEmbeddings",), dtype=torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        vision, text = source_model.config.vision_config, source_model.config.text_config
+        patch, channels = vision.patch_size, vision.num_channels
+        grid = model.config.vision_config.num_patches
+        side = math.isqrt(grid)
+        input_ids = torch.randint(0, text.vocab_size, (2, text.max_position_embeddings), generator=generator)
+        if source_model.config.model_type == "siglip":
+            images = torch.randn(2, channels, side * patch, side * patch, generator=generator)
+            spatial_shapes = torch.tensor([[side, side], [side, side]])
+            pixel_values = _patchify(images, patch)
+            pixel_attention_mask = torch.ones(2, grid, dtype=torch.long)
+            source_inputs = {"pixel_values": images}
+        else:
+            spatial_shapes = torch.tensor([[side, side], [max(1, side // 2), side]])
+            pixel_values = torch.randn(2, grid, patch * patch * channels, generator=generator)
+            pixel_attention_mask = (torch.arange(grid)[None] < spatial_shapes.prod(-1, keepdim=True)).long()
+            source_inputs = {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask,
+                             "spatial_shapes": spatial_shapes}
+        expected = source_model(input_ids=input_ids, **source_inputs)
+        got = model(input_ids=input_ids, pixel_values=pixel_values, pixel_attention_mask=pixel_attention_mask,
+                    spatial_shapes=spatial_shapes)
     return {
         name: float((getattr(got, name).float() - getattr(expected, name).float()).abs().max())
         for name in ("image_embeds", "text_embeds", "logits_per_image")
@@ -389,17 +447,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--router-std", type=float, default=1e-3, help="router init std of --mode noisy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder or Hub id (default: the source's)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="the largest output shard, which the conversion holds in memory before writing it")
     add_dtype_argument(parser)
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip running the source model to measure max |Δ|")
 
 
 def convert(source: Path, tokenizer: str | None = None, **options) -> ConversionResult:
-    """The converter behind the command: the upcycled model, the source's tokenizer and matching preprocessing
+    """The converter behind the command: the upcycled model, streamed into a temporary folder (the result's
+    `StreamedModel`, which `moezoo convert` moves into its output), the source's tokenizer and matching preprocessing
     (NaFlex for `siglip2`, a fixed square for `siglip`, bilinear as SigLIP)."""
     # Found before the upcycling, so that a tokenizer that cannot be had fails at once.
     tokenizer_folder = source if tokenizer is None else locate(
         tokenizer, "the tokenizer", "pass --tokenizer with a local tokenizer folder", TOKENIZER_FILES
     )
-    model, report = upcycle_siglip_checkpoint(source, **options)
+    model = StreamedModel(MoeVieModel, "moe-vie-upcycling-")
+    report = upcycle_siglip_folder(source, model.folder, **options)
     try:
         # SigLIP pools the last position of texts padded to the text tower's length (64), which the processor pads
         # to (`padding="max_length"`); SigLIP2's Gemma tokenizer does not know that length (Siglip2Processor passes

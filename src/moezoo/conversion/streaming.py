@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..hub.sources import open_safetensors
+from ..modeling.moe.offload import complete_device_map
 from .dtypes import cast_checked
 
 
@@ -213,18 +214,27 @@ class StreamedModel:
 
 
 def load_layer_by_layer(
-    model_class: type[PreTrainedModel], folder: str | Path, offload_folder: str | Path, **kwargs
+    model_class: type[PreTrainedModel], folder: str | Path, offload_folder: str | Path,
+    resident_modules: tuple[str, ...] = (), **kwargs
 ) -> PreTrainedModel:
     """`model_class.from_pretrained(folder, **kwargs)` with every decoder layer and vision block (the class's
     `_no_split_modules`) left on disk: accelerate's offload hooks read a block's weights when its forward starts and drop
     them when it ends, so a forward pass holds one block at a time (in the dtype asked for) beside the rest, whatever
     the depth. Weights transformers must transform on loading (per-expert tensors fused, a dtype cast of a fused
-    tensor) are written into `offload_folder` first; the others are read from `folder`'s own files."""
+    tensor) are written into `offload_folder` first; the others are read from `folder`'s own files.
+
+    accelerate loads an offloaded weight for the forward of the module that holds it: `resident_modules` names the
+    classes (besides the model's own `_resident_modules`) that read a submodule's weight directly and so stay on the
+    CPU, e.g. transformers' Siglip2VisionEmbeddings, which resizes its position embedding's weight itself."""
     config = model_class.config_class.from_pretrained(folder)
     with torch.device("meta"):
         skeleton = model_class(config)
+    device_map = offload_device_map(skeleton)
+    # What zoo classes do in from_pretrained (OffloadMixin), for transformers' own too (a SigLIP source's pooling head)
+    skeleton._resident_modules = [*(getattr(skeleton, "_resident_modules", None) or ()), *resident_modules]
+    complete_device_map(skeleton, device_map)
     return model_class.from_pretrained(
-        folder, device_map=offload_device_map(skeleton), offload_folder=str(offload_folder), **kwargs
+        folder, device_map=device_map, offload_folder=str(offload_folder), **kwargs
     ).eval()
 
 
@@ -244,8 +254,9 @@ def offload_device_map(model: torch.nn.Module) -> dict[str, str]:
         own = [key for key, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         if not own:
             continue
-        if any(unit.startswith(f"{name}.") for unit in units):
-            device_map |= {f"{name}.{key}": "cpu" for key in own}
+        prefix = f"{name}." if name else ""  # the model itself holds some (SigLIP's logit_scale)
+        if any(unit.startswith(prefix) for unit in units):
+            device_map |= {f"{prefix}{key}": "cpu" for key in own}
         else:
             device_map[name] = "cpu"
     return device_map
