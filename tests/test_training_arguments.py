@@ -130,6 +130,11 @@ def test_a_config_file_holds_the_options_and_the_flags_override_it(tmp_path):
                                                    "bf16": True, "stage": "II", "lora": 2}))  # fmt: skip
     args, _ = parse(omnimoe_vl, ["--config", str(tmp_path / "run.json"), "--max_steps", "9"])
     assert (args.model, args.stage, args.lora_r, args.max_steps, args.bf16) == ("m", "II", 2, 9, True)
+    for switch, train_router in [("freeze-router: true", False), ("train_router: false", False),
+                                 ("freeze-router: false", None), ("train-router: true", True)]:  # fmt: skip
+        (tmp_path / "switch.yaml").write_text(switch)
+        args, _ = parse(moemb, [*required, "--config", str(tmp_path / "switch.yaml")], moemb.MoEmbTrainingOptions)
+        assert args.train_router is train_router, switch
 
 
 def test_todays_flag_names_still_work(tmp_path):

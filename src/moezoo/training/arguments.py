@@ -466,7 +466,11 @@ def config_flags(parser: argparse.ArgumentParser, config: dict, path) -> list[st
         if value is None:
             continue
         switches = [action for action in actions[key] if action.nargs == 0]
-        if switches:  # store_true / store_false: the one whose value is the file's, none for the default
+        named = [action for action in switches if f"--{key}" in action.option_strings]
+        if named and isinstance(value, bool):  # a switch by its flag's name (`freeze-router: true`): given if true
+            flags += [f"--{key}"] if value else []
+            continue
+        if switches:  # store_true / store_false by their field: the one whose value is the file's, none for the default
             chosen = [action for action in switches if action.const == value]
             if chosen:
                 flags.append(chosen[0].option_strings[0])
