@@ -159,8 +159,8 @@ def test_todays_flag_names_still_work(tmp_path):
     ({"learning_rat": 3}, r"--learning_rat is not one of TrainingArguments's fields \(did you mean --learning_rate"),
     ({"temperature": 0.5}, r"--temperature is not one of TrainingArguments's fields"),
     ({"bf16": True, "fp16": True}, r"--bf16 and --fp16 exclude each other"),
-    ({"eval_strategy": "steps"}, r"--eval_strategy steps: moezoo's train commands do not evaluate while training"),
-    ({"load_best_model_at_end": True}, r"--load_best_model_at_end needs evaluation while training"),
+    ({"eval_strategy": "steps"}, r"--eval_strategy needs evaluation data: give --eval_data FILE"),
+    ({"load_best_model_at_end": True}, r"--load_best_model_at_end needs evaluation data: give --eval_data FILE"),
     ({"report_to": "tensorbord"}, r"--report_to tensorbord: not a tracker transformers knows \(did you mean "
                                   r"tensorboard\?\)"),
     ({"push_to_hub": True}, r"--push_to_hub is the train command's .*moezoo\.training\.push\.push_trained_folder"),

@@ -30,6 +30,7 @@ from ..hub.folders import atomic_output_dir
 from ..modeling.moe import expert_parallel  # noqa: F401 (registers moezoo's "dedup" EP implementation)
 from ..terminal import error_console
 from . import deepspeed_zero
+from .evaluation import check_evaluation_options, evaluation_arguments
 
 
 def checkpoints_dir(out: str | Path) -> Path:
@@ -127,7 +128,7 @@ def trainer_arguments(out: str | Path, options, fixed: dict | None = None, **def
     user = dict(options.training_args)
     if "report_to" in user:
         user["report_to"] = trackers(user["report_to"])
-    recipe = dict(lr_scheduler_type="cosine", report_to="none") | defaults
+    recipe = dict(lr_scheduler_type="cosine", report_to="none") | evaluation_arguments(options) | defaults
     return arguments | recipe | user | (fixed or {})
 
 
@@ -256,12 +257,7 @@ def check_training_args(options) -> None:
         raise ValueError("--bf16 and --fp16 exclude each other: choose one mixed precision")
     if given.get("fp16") and not torch.cuda.is_available():
         raise ValueError("--fp16 needs a CUDA GPU, and this machine has none: --bf16 runs on the CPU too")
-    if given.get("eval_strategy", "no") != "no":
-        raise ValueError(f"--eval_strategy {given['eval_strategy']}: moezoo's train commands do not evaluate while "
-                         "training yet")  # fmt: skip
-    if given.get("load_best_model_at_end"):
-        raise ValueError("--load_best_model_at_end needs evaluation while training (--eval_strategy), which moezoo's "
-                         "train commands do not run yet")  # fmt: skip
+    check_evaluation_options(options)
     pushing = [name for name in PUSH_FIELDS if name in options.training_args]
     if pushing:
         raise ValueError(f"--{pushing[0]} is the train command's (the Trainer would push its checkpoints, without the "
@@ -298,6 +294,9 @@ class TrainerOptions:
     # The Trainer arguments the recipe builds (`training_arguments`), and the fields of them it sets itself, with why.
     arguments_class: ClassVar[type] = TrainingArguments
     recipe_fields: ClassVar[dict[str, str]] = {}
+    # The metrics its evaluation computes (`moezoo.training.evaluation`), without their `eval_` prefix; none: the
+    # recipe does not evaluate while training.
+    eval_metrics: ClassVar[tuple[str, ...]] = ()
 
     steps: int = 200
     batch_size: int = 8
@@ -315,6 +314,7 @@ class TrainerOptions:
     ep_implementation: str = "auto"  # how tokens reach the experts under `ep` (transformers' EPImplementationInterface)
     deepspeed: str | None = None  # DeepSpeed ZeRO: a preset name or config file, see `moezoo.training.deepspeed_zero`
     training_args: dict[str, Any] = field(default_factory=dict)  # other Trainer arguments by name
+    eval_data: Any = None  # evaluation data in the format of the training data (`moezoo.training.evaluation`)
 
     def __post_init__(self):
         deepspeed_zero.check_deepspeed(self.deepspeed, self.fsdp, self.ep)
@@ -381,6 +381,9 @@ def add_trainer_arguments(
     parser.usage = "%(prog)s --model MODEL --data DATA --out OUT [option ...] (see --help)"
     parser.allow_abbrev = False
     parser.set_defaults(trainer_fields=frozenset(names))
+    parser.add_argument("--eval_data", "--eval-data", metavar="FILE",
+                        help="evaluation data in the format of --data: this command's metrics on it are logged as "
+                             "eval_<name> every --eval_steps steps (default: --logging_steps)")  # fmt: skip
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run of this command (same options and --out) from its latest "
                              "checkpoint in OUT.checkpoints")  # fmt: skip
@@ -413,7 +416,7 @@ def trainer_options(args: argparse.Namespace, options_class=TrainerOptions) -> d
     return {mirrored[name]: value for name, value in given.items() if name in mirrored} | dict(
         training_args={name: value for name, value in given.items() if name not in mirrored},
         resume=args.resume, fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation,
-        deepspeed=args.deepspeed,
+        deepspeed=args.deepspeed, eval_data=args.eval_data,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import Trainer, set_seed
 
 from .. import __version__
+from ..evaluation.moe_vie import retrieval_metrics
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..modeling.moe.statistics import plot_routing_heatmap, record_routing
@@ -42,6 +43,13 @@ from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .callbacks import EvaluatesLoss, LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
+from .evaluation import (
+    EvaluatesWhileTraining,
+    check_same_format,
+    eval_batch_size,
+    evaluation_panels,
+    evaluation_summary,
+)
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
@@ -133,7 +141,32 @@ class MoeVieLoss(EvaluatesLoss):
         return 0.0
 
 
-class MoeVieTrainer(MoeVieLoss, ShardedCheckpointsMixin, Trainer):
+class MoeVieEvaluation(EvaluatesWhileTraining):
+    """MoE-ViE's metrics while training (`EvaluatesWhileTraining`): beside the contrastive loss, the recall@1 and
+    recall@5 of retrieval over the whole evaluation set, in both directions (`retrieval_image_to_text_recall_at_1`,
+    `retrieval_text_to_image_recall_at_5`, ...; `video` for video fine-tuning), each caption the text of its own
+    image. The evaluation data are image-text pairs without class labels: no zero-shot classification."""
+
+    RECALL_KS = (1, 5)
+
+    def evaluation_values(self, model, inputs, outputs) -> dict[str, torch.Tensor]:
+        modality = "image" if outputs.image_embeds is not None else "video"
+        return {f"{modality}_embeds": getattr(outputs, f"{modality}_embeds").float(),
+                "text_embeds": outputs.text_embeds.float()}  # fmt: skip
+
+    def evaluation_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        modality = "image" if "image_embeds" in values else "video"
+        scores = values["text_embeds"] @ values[f"{modality}_embeds"].T  # both L2-normalised: cosine similarities
+        ks = [k for k in self.RECALL_KS if k <= len(scores)]
+        results = retrieval_metrics(scores, torch.arange(len(scores)), modality, ks)
+        return super().evaluation_metrics(values) | {
+            f"retrieval_{direction}_{name.replace('@', '_at_')}": value
+            for direction in (f"{modality}_to_text", f"text_to_{modality}")
+            for name, value in results[direction].items()
+        }
+
+
+class MoeVieTrainer(MoeVieEvaluation, MoeVieLoss, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with MoE-ViE's contrastive loss (`MoeVieLoss`), which checkpoints and resumes a model sharded with
     `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -191,6 +224,7 @@ def freeze_for_video_finetuning(model: MoeVieModel, freeze_vision_dense_mlp: boo
 @dataclass
 class MoeVieTrainingOptions(TrainerOptions):
     recipe_fields = {"dataloader_drop_last": "the global contrastive loss needs equal batches on every process"}
+    eval_metrics = ("loss", "retrieval_<modality>_to_text_recall_at_<k>", "retrieval_text_to_<modality>_recall_at_<k>")
 
     batch_size: int = 32
     weight_decay: float = 0.05
@@ -247,11 +281,18 @@ def train_moe_vie(
     options = options or MoeVieTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moe_vie`", ["moe_vie"])
-    if options.video:
-        dataset = load_video_text_dataset(data, frames_column, text_column)
-    else:
-        dataset = load_image_text_dataset(data, image_column, text_column)
+    check_same_format(data, options.eval_data)
+
+    def load_data(source):
+        if options.video:
+            return load_video_text_dataset(source, frames_column, text_column)
+        return load_image_text_dataset(source, image_column, text_column)
+
+    dataset = load_data(data)
+    eval_dataset = None if options.eval_data is None else load_data(options.eval_data)
     check_enough_examples(len(dataset), options.batch_size)
+    if eval_dataset is not None:  # evaluation batches are dropped when incomplete too (`dataloader_drop_last`)
+        check_enough_examples(len(eval_dataset), eval_batch_size(options), "evaluation data set")
     made = {}  # by `adapt`: video fine-tuning's teacher and its count of frozen parameters
 
     def recipe(model: MoeVieModel) -> nn.Module:
@@ -287,7 +328,7 @@ def train_moe_vie(
             trainer_class = VideoDistillationTrainer
             extra = {"teacher": made["teacher"], "distill_weight": options.distill_weight}
         trainer = trainer_class(
-            model=trained, args=args, train_dataset=dataset, data_collator=collator,
+            model=trained, args=args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator,
             callbacks=[RoutingBiasCallback(), LogAtCheckpointsAndEnd()], **extra,
         )
         use_rich_progress(trainer)
@@ -300,6 +341,7 @@ def train_moe_vie(
         processor.save_pretrained(staging)
 
         panels = {"training loss": "loss", "frame distillation 1 - cos": "distillation_loss"}
+        panels |= evaluation_panels(options.eval_metrics, trainer.state.log_history)
         curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
                                   title="MoE-ViE training")
         heatmap = routing_heatmap(model, dataset, collator, staging / "routing_heatmap.png")
@@ -313,6 +355,7 @@ def train_moe_vie(
             "examples": len(dataset),
             "lora_r": options.lora_r or None,
             **({"frozen_parameters": made["frozen"]} if options.video else {}),
+            **evaluation_summary(trainer, options.eval_metrics),
         }
         write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")

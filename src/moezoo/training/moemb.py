@@ -25,10 +25,10 @@
 Data is MMEB's training format (VLM2Vec): `qry`, `qry_image_path`, `pos_text`, `pos_image_path` and optionally
 `neg_text`, `neg_image_path`, in a JSON / JSON Lines / CSV / Parquet file, a folder of them (one task each), or a
 `datasets.Dataset`; image paths are relative to `--image-root` (default: the data's folder). Validation data
-(`--eval-data`, same format) gets the training loss, `eval_loss`, every `--logging-steps` steps. The loss curves and
-the routing heatmap of the trained model (tokens per expert per layer, by modality) are written as PNG files. With
-`--save-steps`, checkpoints are written beside the output folder and `--resume` continues an interrupted run from
-them (`moezoo.training.arguments`).
+(`--eval_data`, same format) gets the training loss `eval_loss`, hit@1 and recall@5 (`MoEmbEvaluation`) every
+`--eval_steps` steps (default: `--logging_steps`). The loss curves and the routing heatmap of the trained model
+(tokens per expert per layer, by modality) are written as PNG files. With `--save-steps`, checkpoints are written
+beside the output folder and `--resume` continues an interrupted run from them (`moezoo.training.arguments`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from trl import GRPOConfig
 from .. import __version__
 from ..configuration.moemb import TOKEN_MODALITIES
 from ..configuration.smoes_settings import SmoesSettings
+from ..evaluation.moemb import hit_at_1, ranking
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..modeling.moe.precision import scaled_similarities
@@ -75,6 +76,7 @@ from .distributed import (
     main_process_output_dir,
     world,
 )
+from .evaluation import EvaluatesWhileTraining, check_same_format, evaluation_panels, evaluation_summary
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .moemb_adaptive import AdaptiveRecipeOptions, GateTraining, add_recipe_arguments, recipe_options, recipe_trainer
 from .moemb_data import SIDES, load_mmeb_dataset, target_key
@@ -248,7 +250,28 @@ class MoEmbLoss(EvaluatesLoss, LogsSmoesTerms):
         return (loss, embeddings) if return_outputs else loss
 
 
-class MoEmbTrainer(MoEmbLoss, ShardedCheckpointsMixin, Trainer):
+class MoEmbEvaluation(EvaluatesWhileTraining):
+    """MoEMB's metrics while training (`EvaluatesWhileTraining`): beside the InfoNCE loss, each evaluation query ranks
+    the targets of the whole evaluation set (those equal to its own target are relevant), giving `hit_at_1` (the top
+    target is relevant) and `recall_at_5` (a relevant target is among the top 5)."""
+
+    RECALL_K = 5
+
+    def evaluation_values(self, model, inputs, outputs) -> dict[str, torch.Tensor]:
+        return {"query": outputs["query"].float(), "target": outputs["target"].float(),
+                "target_keys": inputs["target_keys"]}  # fmt: skip
+
+    def evaluation_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        scores = values["query"] @ values["target"].T
+        relevance = (values["target_keys"][:, None] == values["target_keys"][None, :]).long()
+        top = ranking(scores, relevance)[:, : self.RECALL_K]
+        return super().evaluation_metrics(values) | {
+            "hit_at_1": hit_at_1(scores, relevance).mean().item(),
+            f"recall_at_{self.RECALL_K}": relevance.gather(-1, top).amax(-1).float().mean().item(),
+        }
+
+
+class MoEmbTrainer(MoEmbEvaluation, MoEmbLoss, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with MoEMB's InfoNCE (`MoEmbLoss`) and GradCache (`gradcache`, when the collator makes several chunks
     per side), which checkpoints and resumes a model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -361,8 +384,8 @@ class MoEmbTrainingOptions(TrainerOptions):
                             "static graph",
         "per_device_eval_batch_size": "validation batches are as large as the training ones: InfoNCE depends on "
                                       "the number of in-batch negatives",
-        "eval_strategy": "the validation loss is measured every --logging_steps steps when --eval-data is given",
     }
+    eval_metrics = ("loss", "hit_at_1", "recall_at_5")
 
     batch_size: int = 32  # per process; the negatives pool is the global batch
     recipe: str = "stated"
@@ -387,19 +410,20 @@ def train_moemb(
     options: MoEmbTrainingOptions | None = None,
     image_root: str | Path | None = None,
     overwrite: bool = False,
-    eval_data=None,
 ) -> dict:
     """LoRA-train the MoEMB model in `model_dir` on `data` (MMEB's training format, see `load_mmeb_dataset`) and save
-    the merged model, its processor, the loss curves and the routing heatmap to `out`. With `eval_data` (the same
-    format), the validation InfoNCE loss is measured every `logging_steps` steps, on batches of the training size.
-    Returns the training record (also written to the provenance file)."""
+    the merged model, its processor, the loss curves and the routing heatmap to `out`. With `options.eval_data` (the
+    same format), the validation metrics (`MoEmbEvaluation`) are measured every `eval_steps` steps (default:
+    `logging_steps`), on batches of the training size. Returns the training record (also written to the provenance file)."""
     options = options or MoEmbTrainingOptions()
     if options.recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {options.recipe!r}")
     checkpoint = checkpoint_to_resume(out, options)
     folder, _ = model_folder(model_dir, "`moezoo train moemb`", ["moemb"])
+    check_same_format(data, options.eval_data)
     dataset = load_mmeb_dataset(data, image_root, options.negatives)
-    eval_dataset = None if eval_data is None else load_mmeb_dataset(eval_data, image_root, options.negatives)
+    eval_dataset = None if options.eval_data is None else load_mmeb_dataset(options.eval_data, image_root,
+                                                                             options.negatives)  # fmt: skip
     for name, examples in (("data set", dataset), ("evaluation data set", eval_dataset)):
         if examples is not None:
             check_enough_examples(len(examples), options.batch_size, name)
@@ -460,7 +484,6 @@ def train_moemb(
                 # tensor per layer).
                 ddp_static_graph=True,
                 per_device_eval_batch_size=options.batch_size,
-                eval_strategy="no" if eval_dataset is None else "steps",  # eval_steps defaults to logging_steps
             ),
             learning_rate=learning_rate,
             lr_scheduler_type="cosine_with_min_lr",
@@ -488,7 +511,8 @@ def train_moemb(
         processor.save_pretrained(staging)
 
         logs = trainer.state.log_history
-        panels = {"InfoNCE loss": "loss", "learning rate": "learning_rate", "validation InfoNCE loss": "eval_loss"}
+        panels = {"InfoNCE loss": "loss", "learning rate": "learning_rate"}
+        panels |= evaluation_panels(options.eval_metrics, logs)
         smoes = model.config.smoes_settings()
         if smoes is not None:
             panels |= {"SMoES loss (weighted)": "smoes_loss"} | smoes_panels(model.config.text_config.num_hidden_layers)
@@ -523,8 +547,7 @@ def train_moemb(
             training |= {"smoes_step": int(model.model.language_model.smoes.step), "msi": msi}
         if gates is not None:
             training |= gates.finish(logs, staging)
-        if eval_dataset is not None:  # evaluated at the last step too (the Trainer does when it ends)
-            training["eval_loss"] = round([log["eval_loss"] for log in logs if "eval_loss" in log][-1], 4)
+        training |= evaluation_summary(trainer, options.eval_metrics)
         write_provenance(staging, read_provenance(folder) | {"training": training, "moezoo_version": __version__})
         console.print(f"wrote {curves.name} and {heatmap.name}")
     return training
@@ -555,9 +578,6 @@ def add_train_arguments(parser) -> None:
                         help="MMEB training data: a JSON/JSONL/CSV/Parquet file with qry, qry_image_path, pos_text, "
                              "pos_image_path (and neg_text, neg_image_path), or a folder of such files, one per task")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--eval-data",
-                        help="validation data in the format of --data: its InfoNCE loss is logged every "
-                             "--logging-steps steps")
     parser.add_argument("--image-root", help="folder the image paths are relative to (default: the data's folder)")
     # GRPOConfig's fields: a TrainingArguments' and GRPO's (--grpo; without it, MoEmbTrainingOptions refuses them).
     add_trainer_arguments(parser, defaults, arguments_class=GRPOConfig, helps={
@@ -609,6 +629,6 @@ def run_train(args) -> int:
         dtype=args.dtype,
     )  # fmt: skip
     training = train_moemb(args.model, args.data, args.out, options, image_root=args.image_root,
-                           overwrite=args.overwrite, eval_data=args.eval_data)
+                           overwrite=args.overwrite)
     print_table("trained", ["key", "value"], [[key, value] for key, value in training.items()])
     return 0

@@ -63,6 +63,13 @@ from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import load_for_training, main_process_output_dir
+from .evaluation import (
+    EvaluatesWhileTraining,
+    answer_token_values,
+    check_same_format,
+    evaluation_panels,
+    evaluation_summary,
+)
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
@@ -282,7 +289,28 @@ class TaskIdsCollator:
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
 
-class MoteTrainer(LogsStepMeans, ShardedCheckpointsMixin, Trainer):
+class MoteEvaluation(EvaluatesWhileTraining):
+    """MoTE's metrics while training (`EvaluatesWhileTraining`): beside the loss, each route's loss
+    (`route_<expert>_loss`: the answer tokens' mean negative log-likelihood on the examples of that route's task) and
+    `task_accuracy`, the share of answer tokens predicted right (greedy, given the answer so far), over every task."""
+
+    def evaluation_values(self, model, inputs, outputs) -> dict[str, torch.Tensor]:
+        values = answer_token_values(outputs.logits, inputs["labels"])
+        if "task_ids" in inputs:  # a dense baseline, without experts, has no routes
+            values["route"] = inputs["task_ids"]
+        return values
+
+    def evaluation_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        metrics = {"task_accuracy": (values["answer_correct"].sum() / values["answer_tokens"].sum()).item()}
+        for route in values["route"].unique().tolist() if "route" in values else []:
+            on_route = values["route"] == route
+            metrics[f"route_{self.expert_names[route]}_loss"] = (
+                values["answer_nll_sum"][on_route].sum() / values["answer_tokens"][on_route].sum()
+            ).item()
+        return super().evaluation_metrics(values) | metrics
+
+
+class MoteTrainer(MoteEvaluation, LogsStepMeans, ShardedCheckpointsMixin, Trainer):
     """
     `Trainer` with route-homogeneous, rank-aligned batches (`MoteBucketBatchSampler`) and DDP that allows the unused
     experts. The training data set needs a `task` or `task_ids` column. Beside the loss, the loss of each route trained
@@ -370,6 +398,8 @@ def trainable_parameters(model) -> dict[str, int]:
 
 @dataclass
 class MoteTrainingOptions(TrainerOptions):
+    eval_metrics = ("loss", "route_<expert>_loss", "task_accuracy")
+
     steps: int = 300
     batch_size: int = 16
     lora_r: int = 0  # 0: the decoder trains in full (for models trained from scratch); else LoRA on attention
@@ -501,6 +531,7 @@ def train_mote(
             f"--fsdp {options.ep} instead, which also holds 1/{options.ep} of every expert per process"
         )
     checkpoint = checkpoint_to_resume(out, options)
+    check_same_format(data, options.eval_data)
 
     def with_lora(model) -> MoteLoraModel:
         freeze_vision(model)
@@ -528,6 +559,7 @@ def train_mote(
     # Expert addition and expert training train on their experts' tasks only (spec §3.3, §7.4).
     tasks = (options.add_expert,) if options.add_expert else options.train_experts or options.tasks
     dataset = load_mote_dataset(data, tasks)
+    eval_dataset = None if options.eval_data is None else load_mote_dataset(options.eval_data, tasks)
     text_config = model.config.get_text_config()
     if options.add_expert:
         recipe = f"expert addition of {options.add_expert!r} (from {options.init_from!r})"
@@ -544,6 +576,7 @@ def train_mote(
             model=trained,
             args=training_arguments(out, options),
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             data_collator=MoteCollator(processor, getattr(model.config, "stream_silence_token", "eos")),
             callbacks=[LogAtCheckpointsAndEnd()],
         )
@@ -558,6 +591,7 @@ def train_mote(
 
         names = text_config.mote_expert_names
         panels = {"loss (all routes)": "loss"} | {f"loss of route {name!r}": f"loss/{name}" for name in names}
+        panels |= evaluation_panels(options.eval_metrics, trainer.state.log_history)
         plot = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
                                 title=f"MoTE training: {recipe}")
         training = {
@@ -572,6 +606,7 @@ def train_mote(
             "trainable_parameters": counts["trainable"],
             "frozen_parameters": counts["frozen"],
             "lora_r": options.lora_r or None,
+            **evaluation_summary(trainer, options.eval_metrics),
         }
         # model.name_or_path: the folder the model was read from (a Hub model's in the Hub cache)
         provenance = read_provenance(model.name_or_path) | {"training": training, "moezoo_version": __version__}

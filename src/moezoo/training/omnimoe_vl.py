@@ -29,6 +29,7 @@ from which `resume` continues an interrupted run (`moezoo.training.arguments`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, set_seed
 
 from .. import __version__
+from ..evaluation.omnimoe_vl import route_entropy
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
 from ..configuration.smoes_settings import SmoesSettings
@@ -63,6 +65,13 @@ from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora, peft_target_modules
+from .evaluation import (
+    EvaluatesWhileTraining,
+    answer_token_values,
+    check_same_format,
+    evaluation_panels,
+    evaluation_summary,
+)
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
 from .sharded_checkpoints import ShardedCheckpointsMixin
@@ -285,7 +294,24 @@ class OmniMoeVlLoss(LogsSmoesTerms):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
-class OmniMoeVlTrainer(OmniMoeVlLoss, ShardedCheckpointsMixin, Trainer):
+class OmniMoeVlEvaluation(EvaluatesWhileTraining):
+    """OmniMoE-VL's metrics while training (`EvaluatesWhileTraining`): beside the loss (which holds the route's
+    objectives), `answer_nll`, the answer tokens' mean negative log-likelihood, and `depth_utilisation`, the entropy
+    of the mean depth route over the evaluation set relative to its largest value (1: every depth equally used, 0: one
+    depth only)."""
+
+    def evaluation_values(self, model, inputs, outputs) -> dict[str, torch.Tensor]:
+        return answer_token_values(outputs.logits, inputs["labels"]) | {"depth_route": outputs.depth_route.float()}
+
+    def evaluation_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        mean_route = values["depth_route"].mean(dim=0)
+        return super().evaluation_metrics(values) | {
+            "answer_nll": (values["answer_nll_sum"].sum() / values["answer_tokens"].sum()).item(),
+            "depth_utilisation": (route_entropy(mean_route) / math.log(len(mean_route))).item(),
+        }
+
+
+class OmniMoeVlTrainer(OmniMoeVlEvaluation, OmniMoeVlLoss, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with the model's own loss and its terms logged (`OmniMoeVlLoss`), which checkpoints and resumes a
     model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -358,6 +384,8 @@ def plot_depth_routes(routes: dict[str, torch.Tensor], path: str | Path, title: 
 
 @dataclass
 class OmniMoeVlTrainingOptions(TrainerOptions):
+    eval_metrics = ("loss", "answer_nll", "depth_utilisation")
+
     stage: str = "I"
     learning_rate: float | None = None  # None: the stage's default (STAGE_LEARNING_RATES, not the paper's values)
     train_projector: bool = True  # Stages II-III: the projector trains too (spec D19)
@@ -398,7 +426,9 @@ def train_omnimoe_vl(
     if options.router_utility_coef < 0:
         raise ValueError(f"router_utility_coef must be >= 0 (0: no L_util), got {options.router_utility_coef}")
     checkpoint = checkpoint_to_resume(out, options)
+    check_same_format(data, options.eval_data)
     dataset = load_omnimoe_vl_dataset(data)
+    eval_dataset = None if options.eval_data is None else load_omnimoe_vl_dataset(options.eval_data)
     check_enough_examples(len(dataset), options.batch_size)
 
     def adapt(model: OmniMoeVlForConditionalGeneration) -> nn.Module:
@@ -433,6 +463,7 @@ def train_omnimoe_vl(
             model=trained,
             args=training_arguments(out, options, learning_rate=learning_rate),
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             data_collator=collator,
             callbacks=[RoutingStepCallback(), LogAtCheckpointsAndEnd()],
         )
@@ -449,6 +480,7 @@ def train_omnimoe_vl(
         panels |= {name: f"routing/{name}" for name in ROUTING_OBJECTIVES}
         if smoes is not None:
             panels |= smoes_panels(len(model.model.language_model.smoes.states))
+        panels |= evaluation_panels(options.eval_metrics, trainer.state.log_history)
         curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
                                   title=f"OmniMoE-VL Stage {options.stage}")
         routes = mean_depth_routes(model, dataset, collator)
@@ -474,6 +506,7 @@ def train_omnimoe_vl(
             "trainable_parameters": counts["trainable"],
             "frozen_parameters": counts["total"] - counts["trainable"],
             "lora_r": options.lora_r or None,
+            **evaluation_summary(trainer, options.eval_metrics),
         }
         if msi is not None:
             training |= {"smoes_step": int(model.model.language_model.smoes.step), "msi": msi}

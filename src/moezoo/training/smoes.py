@@ -39,8 +39,8 @@ from transformers import Trainer, set_seed
 from .. import __version__
 from ..hub.folders import read_provenance, write_provenance
 from ..hub.sources import model_folder
-from ..modeling.moe.smoes.metrics import modality_specialisation_index
-from ..modeling.moe.smoes.regularizer import check_routers_trainable
+from ..modeling.moe.smoes.metrics import dispatch_specialisation_index, modality_specialisation_index
+from ..modeling.moe.smoes.regularizer import check_routers_trainable, per_token_rows
 from ..modeling.moe.smoes.scores import hard_modality
 from ..modeling.moe.statistics import RoutingStatistics, plot_routing_heatmap
 from ..modeling.smoes.common import SmoesForConditionalGenerationMixin
@@ -59,6 +59,13 @@ from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
 from .data import load_image_text_dataset
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
+from .evaluation import (
+    EvaluatesWhileTraining,
+    answer_token_values,
+    check_same_format,
+    evaluation_panels,
+    evaluation_summary,
+)
 from .expert_lora import ExpertLoraModel, add_expert_adapters, merge_lora
 from .plots import plot_log_history
 from .precision import add_dtype_argument, load_dtype
@@ -198,7 +205,37 @@ class SmoesLoss(LogsStepMeans):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
-class SmoesTrainer(SmoesLoss, ShardedCheckpointsMixin, Trainer):
+class SmoesEvaluation(EvaluatesWhileTraining):
+    """SMoES's metrics while training (`EvaluatesWhileTraining`): the loss, which in eval mode is the captions' mean
+    negative log-likelihood per token (the model computes its SMoES terms only while training), and `msi`, the
+    modality specialisation index (spec §2.7) of every MoE layer's top-k dispatches over the whole evaluation set,
+    averaged over layers as the paper reports it."""
+
+    def evaluation_step(self, model, inputs: dict) -> dict[str, torch.Tensor]:
+        """The captions' token losses and, per example, each MoE layer's top-k dispatches by modality and expert
+        `(num_layers, NUM_MODALITIES, num_experts)`, from one forward with the router logits."""
+        text_config = self.accelerator.unwrap_model(model).config.text_config
+        features = {key: value for key, value in inputs.items() if key != "labels"}
+        outputs = model(**features, output_router_logits=True)
+        valid = inputs["attention_mask"].bool()
+        modality = hard_modality(inputs["mm_token_type_ids"], text_config.smoes_vision_token_types)
+        by_modality = nn.functional.one_hot(modality, len(MODALITIES)).masked_fill(~valid[..., None], 0)
+        dispatches = []
+        for logits in outputs.router_logits:
+            top_k = per_token_rows(logits, valid).topk(text_config.num_experts_per_tok, dim=-1).indices  # (B, T, k)
+            chosen = nn.functional.one_hot(top_k, text_config.num_experts).sum(dim=-2)  # (B, T, E)
+            dispatches.append(torch.einsum("btm,bte->bme", by_modality, chosen))
+        return answer_token_values(outputs.logits, inputs["labels"]) | {"dispatches": torch.stack(dispatches, dim=1)}
+
+    def evaluation_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        per_layer = [dispatch_specialisation_index(layer) for layer in values["dispatches"].sum(dim=0)]
+        return {
+            "loss": (values["answer_nll_sum"].sum() / values["answer_tokens"].sum()).item(),
+            "msi": sum(per_layer) / len(per_layer),
+        }
+
+
+class SmoesTrainer(SmoesEvaluation, SmoesLoss, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with the model's own loss and its SMoES terms logged (`SmoesLoss`), which checkpoints and resumes a
     model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -260,6 +297,8 @@ def modality_routing(
 
 @dataclass
 class SmoesTrainingOptions(TrainerOptions):
+    eval_metrics = ("loss", "msi")
+
     learning_rate: float = 2e-5  # spec §6: the LLaVA-1.5 stage-2 value (the paper gives none)
     lora_r: int = 0  # LoRA of this rank on attention and experts (routers in full), merged at the end; 0: full
     freeze_routers: bool = False  # only with both SMoES coefficients 0 (statistics-only runs)
@@ -292,7 +331,9 @@ def train_smoes(
     layer's MSI (`smoes_msi.json`) and a provenance record to `out`. Returns the training summary."""
     options = options or SmoesTrainingOptions()
     checkpoint = checkpoint_to_resume(out, options)
+    check_same_format(data, options.eval_data)
     dataset = load_image_text_dataset(data)
+    eval_dataset = None if options.eval_data is None else load_image_text_dataset(options.eval_data)
     check_enough_examples(len(dataset), options.batch_size)
 
     def adapt(model: SmoesForConditionalGenerationMixin) -> nn.Module:
@@ -314,6 +355,7 @@ def train_smoes(
             model=trained,
             args=training_arguments(out, options, learning_rate=options.learning_rate),
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             data_collator=collator,
             callbacks=[LogAtCheckpointsAndEnd()],
         )
@@ -330,6 +372,7 @@ def train_smoes(
         panels = {"loss": "loss", "SMoES loss (weighted)": "aux_loss", "bin balance": "smoes_bal_loss",
                   "- inter-bin MI": "smoes_mi_loss"}  # fmt: skip
         panels |= {f"MI layer {layer}": f"smoes/mi_layer_{layer}" for layer in range(text_config.num_hidden_layers)}
+        panels |= evaluation_panels(options.eval_metrics, trainer.state.log_history)
         curves = plot_log_history(trainer.state.log_history, panels, staging / "training_curves.png",
                                   title="SMoES fine-tuning")  # fmt: skip
         stats, msi = routing_by_modality(model, dataset, collator)
@@ -351,6 +394,7 @@ def train_smoes(
             "trainable_parameters": counts["trainable"],
             "frozen_parameters": counts["total"] - counts["trainable"],
             "lora_r": options.lora_r or None,
+            **evaluation_summary(trainer, options.eval_metrics),
         }
         provenance = read_provenance(model.name_or_path) | {"training": training, "moezoo_version": __version__}
         write_provenance(staging, provenance)

@@ -24,10 +24,15 @@ def modality_specialisation_index(
 ) -> float:
     """MSI of one layer, in [0, 1]."""
     selected, labels = top_k_index[valid], modality[valid]  # (N, k), (N,)
-    dispatch_share = torch.zeros(NUM_MODALITIES, num_experts, dtype=torch.float64, device=top_k_index.device)
+    dispatches = torch.zeros(NUM_MODALITIES, num_experts, dtype=torch.long, device=top_k_index.device)
     for m in (TEXT, VISION):
-        dispatches = selected[labels == m].reshape(-1)
-        dispatch_share[m] = torch.bincount(dispatches, minlength=num_experts).double() / max(1, dispatches.numel())
+        dispatches[m] = torch.bincount(selected[labels == m].reshape(-1), minlength=num_experts)
+    return dispatch_specialisation_index(dispatches)
+
+
+def dispatch_specialisation_index(dispatches: torch.Tensor) -> float:
+    """MSI of one layer from its `(NUM_MODALITIES, num_experts)` counts of top-k dispatches per modality and expert."""
+    dispatch_share = dispatches.double() / dispatches.sum(dim=-1, keepdim=True).clamp_min(1)
     attribution = dispatch_share / dispatch_share.sum(dim=0, keepdim=True).clamp_min(1e-12)
     return (attribution[TEXT] - attribution[VISION]).abs().mean().item()
 
