@@ -2,8 +2,9 @@
 
 Under `torch.autocast("cpu", torch.bfloat16)`, what the Trainer's `bf16=True` wraps every forward in (checked below
 on a recipe run), a matmul runs in bf16 whatever its inputs' dtype. For every architecture the fp32 numerics stay
-fp32 (router logits of the zoo's routers and of the SMoES hosts' transformers routers, balancing and SMoES terms,
-OmniMoE-VL's depth route and route objectives, contrastive logits), the training loss is within bf16's tolerance of
+fp32 (router logits of the zoo's routers and of the SMoES hosts' transformers routers, the logits of every other gate:
+OmniMoE-VL's depth scores and participation gate, MoEMB's trained gates; balancing and SMoES terms, OmniMoE-VL's
+depth route and route objectives, contrastive logits), the training loss is within bf16's tolerance of
 fp32's on the same batch, and gradients reach the same parameters. Loaded in bf16 (`dtype=torch.bfloat16`, a recipe's
 `dtype="bfloat16"`), the fp32 buffers stay fp32; a folder trained in bf16 is saved and loads back in bf16.
 
@@ -14,6 +15,7 @@ router logits or bf16 contrastive logits at a logit scale of 50-100 is off by mo
 """
 
 import copy
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from safetensors import safe_open
 
 import moezoo  # noqa: F401  (fills the catalogue)
 from moezoo.modeling.moe.router import TopKRouter
+from moezoo.modeling.moemb_adaptive.gates import EfficiencyHead, LayerSkipGate, NullRouter, TokenPruner
+from moezoo.modeling.omnimoe_vl_projector import OmniMoeVlDepthScore, OmniMoeVlQuerySynthesis
 from moezoo.modeling.smoes.common import Fp32RouterMixin
 from moezoo.registry import get_architecture
 from moezoo.zoo import create_from_preset
@@ -135,13 +139,40 @@ CASES = {
 }
 
 
-def router_logit_dtypes(model) -> tuple[list, list]:
-    """Forward hooks recording the dtype of every router's logits (the zoo's and the SMoES hosts' routers)."""
+# The modules whose output is (first) the logits of a routing decision: the zoo's and the SMoES hosts' routers,
+# OmniMoE-VL's depth scores, MoEMB's trained gates (efficiency heads, null routers, layer-skip gates, token pruner).
+GATES = (TopKRouter, Fp32RouterMixin, OmniMoeVlDepthScore, EfficiencyHead, NullRouter, LayerSkipGate, TokenPruner)
+
+
+@contextmanager
+def recorded_gate_logit_dtypes(model):
+    """Records the dtype of every gate's logits in a forward of `model`: the `GATES` modules' outputs, and the logits
+    of OmniMoE-VL's participation gate (`OmniMoeVlQuerySynthesis.gate_logits`, a method)."""
     dtypes, handles = [], []
+
+    def record(module, args, output):
+        dtypes.append((output[0] if isinstance(output, tuple) else output).dtype)
+
+    def recording(gate_logits):
+        def recorded(*args):
+            logits = gate_logits(*args)
+            dtypes.append(logits.dtype)
+            return logits
+
+        return recorded
+
     for module in model.modules():
-        if isinstance(module, (TopKRouter, Fp32RouterMixin)):
-            handles.append(module.register_forward_hook(lambda module, args, output: dtypes.append(output[0].dtype)))
-    return dtypes, handles
+        if isinstance(module, GATES):
+            handles.append(module.register_forward_hook(record))
+        if isinstance(module, OmniMoeVlQuerySynthesis):
+            module.gate_logits = recording(module.gate_logits)
+    try:
+        yield dtypes
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in model.modules():
+            module.__dict__.pop("gate_logits", None)
 
 
 def run_step(case: str, folders, precision: str):
@@ -156,12 +187,10 @@ def run_step(case: str, folders, precision: str):
         router = model.model.projector.depth_router
         router.routing_step.fill_(model.config.exploration_steps)
     model.train()
-    dtypes, handles = router_logit_dtypes(model)
-    with autocast() if precision == "bf16" else torch.autocast("cpu", enabled=False):
-        loss, watched = step(model, folders[preset])
+    with recorded_gate_logit_dtypes(model) as dtypes:
+        with autocast() if precision == "bf16" else torch.autocast("cpu", enabled=False):
+            loss, watched = step(model, folders[preset])
     loss.backward()
-    for handle in handles:
-        handle.remove()
     graded = {name for name, parameter in model.named_parameters() if parameter.grad is not None}
     return loss.detach(), watched, dtypes, graded
 
@@ -304,10 +333,13 @@ def test_an_adaptive_recipe_step_under_bf16_autocast(recipe, inputs):  # `inputs
     results = {}
     for precision in ("fp32", "bf16"):
         model, training = recipe_model(recipe)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with recorded_gate_logit_dtypes(model) as dtypes, torch.autocast(
+            "cpu", dtype=torch.bfloat16, enabled=precision == "bf16"
+        ):
             embeddings, record = training.embed(model.train(), inputs, step=1, total=2)
             rates = training.rates([record])
             budget = training.budget_loss([record], rates, step=1, total=2, active=RECIPES[recipe].actions)
+        assert set(dtypes) == {torch.float32}, dtypes  # the routers', and the recipe's gates' logits
         (embeddings.float().sum() + budget).backward()
         graded = {name for name, parameter in model.named_parameters() if parameter.grad is not None}
         results[precision] = embeddings.detach().float(), budget.detach(), graded

@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from ..configuration.omnimoe_vl import OmniMoeVlConfig
 from .moe.balancing import sum_over_processes
-from .moe.precision import autocast_off
+from .moe.precision import Fp32Linear, autocast_off
 from .moe.router import is_recomputing
 
 
@@ -257,11 +257,12 @@ class OmniMoeVlDepthScore(nn.Module):
 
     def __init__(self, config: OmniMoeVlConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.text_config.hidden_size, config.depth_score_hidden)
+        # fp32 layers, under autocast too: the scores are the depth route's logits.
+        self.fc1 = Fp32Linear(config.text_config.hidden_size, config.depth_score_hidden)
         self.act_fn = ACT2FN["gelu"]
-        self.fc2 = nn.Linear(config.depth_score_hidden, 1)
+        self.fc2 = Fp32Linear(config.depth_score_hidden, 1)
 
-    def forward(self, readout: torch.Tensor) -> torch.Tensor:  # (B, d) -> (B,)
+    def forward(self, readout: torch.Tensor) -> torch.Tensor:  # (B, d) -> (B,) fp32
         return self.fc2(self.act_fn(self.fc1(readout))).squeeze(-1)
 
 
@@ -352,10 +353,28 @@ class OmniMoeVlQuerySynthesis(nn.Module):
         self.query_bank = nn.Parameter(torch.zeros(config.num_query_prototypes, hidden_size))  # C
         self.query_attn = OmniMoeVlCrossAttention(config)
         self.query_norm = nn.LayerNorm(hidden_size)
-        self.gate_score = nn.Linear(hidden_size, 1, bias=False)  # a
-        self.gate_context = nn.Linear(hidden_size, hidden_size, bias=False)  # W_c
+        # The participation gate's layers, fp32 under autocast too (`gate_logits`).
+        self.gate_score = Fp32Linear(hidden_size, 1, bias=False)  # a
+        self.gate_context = Fp32Linear(hidden_size, hidden_size, bias=False)  # W_c
         self.gate_bias = nn.Parameter(torch.zeros(config.num_query_prototypes))  # b
         self.router_mix = nn.Parameter(torch.zeros(config.num_router_queries, config.num_query_prototypes))  # M
+
+    def gate_logits(
+        self, prototypes: torch.Tensor, seeds: torch.Tensor, prompt: torch.Tensor, prompt_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """u (B, Q) fp32, under autocast too (the participation gate's logits), from the prototypes q (B, Q, d), their
+        seeds C (B, Q, d) and the normalised prompt (B, L, d) with its mask (B, L):
+        u_i = a.q_i + q_i^T W_c h_T / sqrt(d) + q_i^T C_i / sqrt(d) + b_i  (A.2; shared per-sample shifts omitted)."""
+        scale = math.sqrt(prototypes.shape[-1])
+        context = self.gate_context(masked_mean(prompt, prompt_mask))  # (B, d)
+        with autocast_off(prototypes):
+            prototypes, seeds = prototypes.float(), seeds.float()
+            return (
+                self.gate_score(prototypes).squeeze(-1)
+                + torch.einsum("bqd,bd->bq", prototypes, context) / scale
+                + (prototypes * seeds).sum(-1) / scale
+                + self.gate_bias.float()
+            )
 
     def forward(
         self, prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor  # (B, L, d), (B, L) bool
@@ -369,15 +388,7 @@ class OmniMoeVlQuerySynthesis(nn.Module):
         seeds = self.query_bank.expand(batch, -1, -1)
         prototypes = self.query_norm(self.query_attn(seeds, prompt, key_mask) + config.query_residual_scale * seeds)
 
-        # u_i = a.q_i + q_i^T W_c h_T / sqrt(d) + q_i^T C_i / sqrt(d) + b_i  (A.2; shared per-sample shifts omitted)
-        context = self.gate_context(masked_mean(prompt[:, :-1], prompt_mask))  # (B, d)
-        scale = math.sqrt(hidden_size)
-        logits = (
-            self.gate_score(prototypes).squeeze(-1)
-            + torch.einsum("bqd,bd->bq", prototypes, context) / scale
-            + (prototypes * seeds).sum(-1) / scale
-            + self.gate_bias
-        )
+        logits = self.gate_logits(prototypes, seeds, prompt[:, :-1], prompt_mask)
         if config.query_gate == "participation":
             participation = floored_participation(logits, config.query_floor)
         elif config.query_gate == "softmax":

@@ -8,6 +8,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 # The floating dtypes a model is converted to, loaded in or trained in, by the names `--dtype` takes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,6 +21,22 @@ def autocast_off(tensor: torch.Tensor) -> AbstractContextManager:
     if not torch.amp.is_autocast_available(device_type):
         return nullcontext()
     return torch.autocast(device_type, enabled=False)
+
+
+def fp32_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` computed in fp32 whatever the weights' dtype or autocast: the logits of a gate (routing, skipping,
+    pruning), which a softmax, a sigmoid or a threshold turns into decisions that bf16's rounding would move."""
+    bias = None if linear.bias is None else linear.bias.float()
+    with autocast_off(x):
+        return F.linear(x.float(), linear.weight.float(), bias)
+
+
+class Fp32Linear(nn.Linear):
+    """An `nn.Linear` computed in fp32 (`fp32_linear`): a layer of a gate. Its own forward, so that accelerate's
+    offload hooks, which load a module's weights for its forward only, bring its weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_linear(self, x)
 
 
 def scaled_similarities(queries: torch.Tensor, keys: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:

@@ -46,7 +46,7 @@ from transformers import initialization as init
 
 from ...configuration.moemb_gates import EFFICIENCY_HEAD_INITS, GateModules
 from ..moe.balancing import number_of_processes
-from ..moe.precision import autocast_off
+from ..moe.precision import Fp32Linear, fp32_linear
 
 
 ROUTE, SKIP, DROP = 0, 1, 2
@@ -70,8 +70,7 @@ class EfficiencyHead(nn.Linear):
         """`(T, 3)` fp32 logits of the tokens `x` `(T, d)`; DROP is -inf where `drop_allowed` `(T,)` is False. A
         forward, so that accelerate's offload hooks bring the weights of an offloaded head. fp32 under autocast too
         (`autocast_off`): GRPO's ratios and the sampled actions read their log-probabilities."""
-        with autocast_off(x):
-            logits = F.linear(x.float(), self.weight.float(), self.bias.float())
+        logits = fp32_linear(self, x)
         return logits.masked_fill(F.pad(~drop_allowed[:, None], (2, 0)), float("-inf"))
 
 
@@ -103,8 +102,7 @@ class NullRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`(T, N_null)` fp32 logits, under autocast too: they join the router's fp32 logits."""
-        with autocast_off(x):
-            return F.linear(x.float(), self.weight.float(), self.bias.float())
+        return fp32_linear(self, x)
 
 
 def null_expert_slots(
@@ -122,11 +120,13 @@ class TokenPruner(nn.Sequential):
     """Dynamic-LLaVA's one-shot predictor (spec §3.1, A-17): (keep, drop) logits from h after block n."""
 
     def __init__(self, hidden_size: int):
-        super().__init__(nn.Linear(hidden_size, hidden_size // 8), nn.GELU(), nn.Linear(hidden_size // 8, 2))
+        # fp32 layers, under autocast too: the Gumbel keep decision and the keep budget read the logits.
+        super().__init__(Fp32Linear(hidden_size, hidden_size // 8), nn.GELU(), Fp32Linear(hidden_size // 8, 2))
 
 
-class LayerSkipGate(nn.Linear):
-    """q_l = σ(wᵀ h_pooled + b), the probability that a sample skips block l (spec §3.10); W = 0, b = -4 at init."""
+class LayerSkipGate(Fp32Linear):
+    """q_l = σ(wᵀ h_pooled + b), the probability that a sample skips block l (spec §3.10); W = 0, b = -4 at init.
+    fp32 under autocast too: a straight-through threshold at 0.5 reads q."""
 
     def __init__(self, hidden_size: int):
         super().__init__(hidden_size, 1)
