@@ -2,6 +2,7 @@
 tests/fake_hub.py once it ends, its card holding the command's options and final metrics; and what would fail only
 after training refused before anything is loaded, leaving nothing in --out."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,9 +11,11 @@ import huggingface_hub
 import pytest
 from huggingface_hub import HfApi, hf_hub_download
 
-from conftest import TESTS, free_port, run_moezoo_in_this_process
+from conftest import TESTS, free_port, run_moezoo_in_this_process, run_python
 from moezoo.hub.push import check_exported
 from moezoo.training import moe_vie
+from moezoo.training.arguments import PUSH_FIELDS, parse_train_arguments
+from moezoo.training.push import take_push_options
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
@@ -66,6 +69,29 @@ def test_a_run_is_exported_and_pushed_with_its_options_and_final_metrics(inputs,
     assert f"| command | {command} |" in card
     assert f"| final_loss | {training['final_loss']} |" in card
     assert "AutoModel.from_pretrained(\"zoo/trained-moe-vie\"" in card
+    # The pushed repo loads from the Hub with its own code, where moezoo cannot be imported, with the trained weights.
+    run_python(f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained("zoo/trained-moe-vie", trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        state, trained = model.state_dict(), load_file({str(out / "model.safetensors")!r})
+        assert all(torch.equal(state[key], tensor) for key, tensor in trained.items())
+    """, env={"HF_ENDPOINT": hub, "HF_TOKEN": "hf_dummy", "HF_HOME": str(tmp_path / "hf_home"),
+              "HF_HUB_DISABLE_XET": "1"}, without_moezoo=True)  # fmt: skip
+
+
+def test_the_repo_defaults_to_the_users_namespace_and_the_out_folders_name(hub, tmp_path):
+    parser = argparse.ArgumentParser(prog="moezoo train moe_vie")
+    moe_vie.add_train_arguments(parser)
+    args = parse_train_arguments(parser, ["--model", "m", "--data", "d", "--out", str(tmp_path / "shapes-run"),
+                                          "--push_to_hub", "--hub_token", "hf_secret", "--hub_private_repo", "--bf16",
+                                          "--lora-r", "4"])  # fmt: skip
+    push = take_push_options(parser, args)
+    assert (push.repo_id, push.token, push.private) == ("tester/shapes-run", "hf_secret", True)
+    assert push.command == "moezoo train moe_vie --bf16 true --lora-r 4"  # no path, no token
+    assert not any(hasattr(args, name) for name in PUSH_FIELDS)  # the recipe's options never see them
 
 
 @pytest.mark.parametrize(("environment", "flags", "error"), [
