@@ -33,13 +33,14 @@ LOCAL_OPTIONS = ("model", "data", "out", "eval_data", "image_root", "config", "o
 
 @dataclass(frozen=True)
 class HubPush:
-    """Where and how a train command pushes its trained folder."""
+    """Where and how to push a trained folder (`take_push_options` makes it from a train command's options; in
+    Python, e.g. `push_trained_folder("trained", HubPush("my-org/my-model"))`)."""
 
     repo_id: str
-    token: str
-    private: bool | None  # None: the Hub's default (public, unless the organisation says private)
-    revision: str | None  # a branch, created if needed
-    command: str  # the command that trained the model, with its non-default options, for the model card
+    token: str | None = None  # None: `hf auth login`'s, or HF_TOKEN
+    private: bool | None = None  # None: the Hub's default (public, unless the organisation says private)
+    revision: str | None = None  # a branch, created if needed
+    command: str | None = None  # the command that trained the model, with its non-default options, for the card
 
 
 def take_push_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> HubPush | None:
@@ -109,12 +110,12 @@ def training_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def push_trained_folder(out: str | Path, push: HubPush) -> str:
-    """Exports the trained folder `out` into a scratch folder beside it, with the training command in its card and
-    `moezoo.json`, pushes that, and returns the commit URL. `out` stays as the run wrote it."""
+    """Exports the trained folder `out` into a scratch folder beside it, with the training command (if known) in its
+    card and `moezoo.json`, pushes that, and returns the commit URL. `out` stays as the run wrote it."""
     out = Path(out)
+    training = None if push.command is None else {"command": push.command}
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.hub-", dir=out.parent) as scratch:
-        exported = export_folder(out, Path(scratch) / out.name, repo_id=push.repo_id,
-                                 training={"command": push.command})  # fmt: skip
+        exported = export_folder(out, Path(scratch) / out.name, repo_id=push.repo_id, training=training)
         try:
             return push_folder(exported, push.repo_id, private=push.private, revision=push.revision, token=push.token)
         except ConnectionError as error:
