@@ -267,8 +267,14 @@ def check_training_args(options) -> None:
         check_trackers(trackers(given["report_to"]))
 
 
+# What `pip install` takes for the trackers whose package is not named as the tracker is: tensorboard writes through
+# tensorboardX, which the `train` extra brings (transformers falls back to it when the larger `tensorboard` is absent).
+TRACKER_PACKAGES = {"tensorboard": "'moezoo[train]'", "azure_ml": "azureml-core"}
+
+
 def check_trackers(names: list[str]) -> None:
-    """Refuses a `--report_to` name that transformers does not know, or whose package is not installed."""
+    """Refuses a `--report_to` name that transformers does not know, or whose package is not installed (naming the pip
+    command that installs it)."""
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
     known = ["all", "none", *INTEGRATION_TO_CALLBACK]
@@ -280,8 +286,9 @@ def check_trackers(names: list[str]) -> None:
     available = get_available_reporting_integrations()
     missing = [name for name in names if name not in ("all", "none", *available)]
     if missing:
-        raise ValueError(f"--report_to {','.join(missing)}: not installed here (installed trackers: "
-                         f"{', '.join(available) or 'none'})")  # fmt: skip
+        packages = " ".join(TRACKER_PACKAGES.get(name, name) for name in missing)
+        raise ValueError(f"--report_to {','.join(missing)}: not installed here, `pip install {packages}` installs it "
+                         f"(installed trackers: {', '.join(available) or 'none'})")  # fmt: skip
 
 
 @dataclass

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 from transformers import TrainerCallback
+from transformers.integrations import TensorBoardCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from ..modeling.moe import update_routing_biases
+from ..modeling.moe import SparseMoeBlock, record_routing, update_routing_biases
 from ..terminal import progress_bar
 
 
@@ -65,6 +70,67 @@ class LogsStepMeans:
         super().log(logs, start_time)
 
 
+class LogsRoutingStatistics(LogsStepMeans):
+    """A `Trainer` mixin (placed before `Trainer`) for models built on the MoE core: every training log adds how the
+    training forwards since the previous log spread their tokens over the experts, so that the trackers of
+    `--report_to` and `trainer.state.log_history` show the balance of the routing while it trains (MoE-ViE's and
+    MoEMB's heatmap PNG at the end of a run shows it per layer and expert):
+
+    - `experts/load_max_over_mean`: the busiest expert's assignments over the mean per expert (1: balanced);
+    - `experts/load_entropy`: the entropy of the share of assignments per expert over its largest value, log(E)
+      (1: every expert equally loaded, 0: one expert takes every token);
+    - `experts/unused_share`: the share of experts that no token reached.
+
+    Each is computed per MoE layer from the assignments of every process, then averaged over the layers: three
+    scalars whatever the depth of the model, where a scalar per layer would give hundreds for a deep one. Only the
+    forwards of `training_step` are counted (not evaluation's, nor those re-run by gradient checkpointing); the values
+    a recipe records at each step (`record_step_value`) are logged beside them.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._assignments: dict[str, torch.Tensor] = {}  # per MoE layer: (num_experts,) since the previous log
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with self.counting_routing(model):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    @contextmanager
+    def counting_routing(self, model):
+        """Counts the assignments of the forwards inside for the next training log, as `training_step` does: for a
+        trainer whose `training_step` does not call this one (MoEMB's GradCache step)."""
+        if not any(isinstance(module, SparseMoeBlock) for module in model.modules()):  # a dense configuration
+            yield
+            return
+        with record_routing(model) as statistics:
+            yield
+        for layer, counts in statistics.counts.items():
+            self._assignments[layer] = self._assignments.get(layer, 0) + counts.sum(dim=0)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._assignments:  # a training log (not evaluation's, nor the summary at the end)
+            logs.update(self._routing_statistics())
+            self._assignments = {}
+        super().log(logs, start_time)
+
+    def _routing_statistics(self) -> dict[str, float]:
+        layers = list(self._assignments.values())
+        # One flat tensor, so that one collective sums every layer's counts (layers may differ in expert count).
+        counts = self.accelerator.reduce(torch.cat(layers).to(self.accelerator.device), reduction="sum")
+        imbalance, entropy, unused = [], [], []
+        for layer in counts.double().split([len(layer) for layer in layers]):
+            share = layer / layer.sum().clamp(min=1)
+            imbalance.append(layer.max() / layer.mean().clamp(min=1e-12))
+            # A layer of one expert has entropy 0, the value of one expert taking every token, which it does.
+            entropy.append(torch.special.entr(share).sum() / math.log(max(len(layer), 2)))
+            unused.append((layer == 0).double().mean())
+        return {
+            "experts/load_max_over_mean": torch.stack(imbalance).mean().item(),
+            "experts/load_entropy": torch.stack(entropy).mean().item(),
+            "experts/unused_share": torch.stack(unused).mean().item(),
+        }
+
+
 class EvaluatesLoss:
     """A `Trainer` mixin (placed before `Trainer`) for losses computed outside the model's forward from several of its
     outputs (a contrastive loss over the batch): the evaluation step computes the batch's loss as `compute_loss` does,
@@ -112,3 +178,13 @@ def use_rich_progress(trainer) -> None:
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(RichProgressCallback())
+
+
+def write_tensorboard_into(trainer, folder: str | Path) -> None:
+    """With `--report_to tensorboard`, the event files go to `folder/runs`, in the run's output folder, where they are
+    kept with the trained model: transformers' default, `runs/` in the Trainer's `output_dir`, is the checkpoints
+    folder, which a finished run deletes. `TENSORBOARD_LOGGING_DIR`, which transformers reads, still chooses another
+    folder (one to watch while the run trains: the output folder is a hidden one beside --out until it ends)."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(Path(folder) / "runs")

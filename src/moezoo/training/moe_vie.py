@@ -40,7 +40,14 @@ from .arguments import (
     training_arguments,
 )
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
-from .callbacks import EvaluatesLoss, LogAtCheckpointsAndEnd, LogsStepMeans, RoutingBiasCallback, use_rich_progress
+from .callbacks import (
+    EvaluatesLoss,
+    LogAtCheckpointsAndEnd,
+    LogsRoutingStatistics,
+    RoutingBiasCallback,
+    use_rich_progress,
+    write_tensorboard_into,
+)
 from .data import load_image_text_dataset, load_video_text_dataset
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
 from .evaluation import (
@@ -166,7 +173,7 @@ class MoeVieEvaluation(EvaluatesWhileTraining):
         }
 
 
-class MoeVieTrainer(MoeVieEvaluation, MoeVieLoss, ShardedCheckpointsMixin, Trainer):
+class MoeVieTrainer(MoeVieEvaluation, MoeVieLoss, LogsRoutingStatistics, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with MoE-ViE's contrastive loss (`MoeVieLoss`), which checkpoints and resumes a model sharded with
     `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -177,7 +184,7 @@ class MoeVieTrainer(MoeVieEvaluation, MoeVieLoss, ShardedCheckpointsMixin, Train
     )
 
 
-class VideoDistillationTrainer(LogsStepMeans, MoeVieTrainer):
+class VideoDistillationTrainer(MoeVieTrainer):
     """Adds frame-level distillation: one random real frame per video, the student's embedding of it (from the
     video forward, spec §11 item 11) against the frozen teacher's image embedding of the same frame. The unweighted
     distillation term `1 - cos` is logged beside the loss as `distillation_loss`, its mean since the previous log."""
@@ -332,6 +339,7 @@ def train_moe_vie(
             callbacks=[RoutingBiasCallback(), LogAtCheckpointsAndEnd()], **extra,
         )
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap runs the vision tower alone, outside FSDP2's root unit
             trained = unsharded_copy(

@@ -69,7 +69,13 @@ from .arguments import (
 )
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy, with_every_trainable_parameter
-from .callbacks import EvaluatesLoss, LogAtCheckpointsAndEnd, use_rich_progress
+from .callbacks import (
+    EvaluatesLoss,
+    LogAtCheckpointsAndEnd,
+    LogsRoutingStatistics,
+    use_rich_progress,
+    write_tensorboard_into,
+)
 from .distributed import (
     all_gather_with_grad,
     check_enough_examples,
@@ -271,7 +277,7 @@ class MoEmbEvaluation(EvaluatesWhileTraining):
         }
 
 
-class MoEmbTrainer(MoEmbEvaluation, MoEmbLoss, ShardedCheckpointsMixin, Trainer):
+class MoEmbTrainer(MoEmbEvaluation, MoEmbLoss, LogsRoutingStatistics, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with MoEMB's InfoNCE (`MoEmbLoss`) and GradCache (`gradcache`, when the collator makes several chunks
     per side), which checkpoints and resumes a model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -287,10 +293,11 @@ class MoEmbTrainer(MoEmbEvaluation, MoEmbLoss, ShardedCheckpointsMixin, Trainer)
         model.train()
         inputs = self._prepare_inputs(inputs)
         steps = self.current_gradient_accumulation_steps
-        loss = cached_contrastive_backward(
-            model, inputs, lambda embeddings: self.contrastive_loss(embeddings, inputs) / steps,
-            backward=self.accelerator.backward, no_sync=lambda: self.accelerator.no_sync(model),
-        )  # fmt: skip
+        with self.counting_routing(model):
+            loss = cached_contrastive_backward(
+                model, inputs, lambda embeddings: self.contrastive_loss(embeddings, inputs) / steps,
+                backward=self.accelerator.backward, no_sync=lambda: self.accelerator.no_sync(model),
+            )  # fmt: skip
         return loss
 
 
@@ -503,6 +510,7 @@ def train_moemb(
             gradcache=options.chunk_size is not None, **recipe,
         )  # fmt: skip
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:
             peft_model = unsharded_copy(peft_model, load)

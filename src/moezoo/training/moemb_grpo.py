@@ -77,7 +77,7 @@ from ..modeling.moemb_adaptive.gates import (
 from ..processors.moemb import MoEmbProcessor
 from ..terminal import console
 from .arguments import TrainerOptions, checkpoint_to_resume, trainer_arguments
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress, write_tensorboard_into
 from . import deepspeed_zero
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import all_gather_with_grad, check_enough_examples, main_process_output_dir, world
@@ -547,6 +547,7 @@ def train_moemb_grpo(
         trainer = GatePolicyGRPOTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                                         callbacks=[LogAtCheckpointsAndEnd()], options=options)  # fmt: skip
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:
             model = unsharded_copy(model, partial(load_policy_model, folder, dtype=options.dtype))

@@ -58,7 +58,7 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress, write_tensorboard_into
 from ..processors.images import open_image
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, frame_paths, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
@@ -581,6 +581,7 @@ def train_mote(
             callbacks=[LogAtCheckpointsAndEnd()],
         )
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if adapt is not None and options.fsdp > 1:  # sharded after adapting: gathered into an unsharded copy
             trained = unsharded_copy(trained, lambda: load()[0])

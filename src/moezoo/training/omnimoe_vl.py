@@ -60,7 +60,7 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
-from .callbacks import LogAtCheckpointsAndEnd, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsRoutingStatistics, use_rich_progress, write_tensorboard_into
 from .data import TABLE_FORMATS, empty_rows, empty_rows_error, load_table
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
@@ -265,8 +265,9 @@ class OmniMoeVlLoss(LogsSmoesTerms):
     """
     A `Trainer` mixin (placed before the trainer class) whose loss is the model's own `loss`, which holds the route's
     objectives, with the token routers' logits asked for (their load balancing is part of it, spec D28). It logs
-    beside the loss the token balancing (`aux_loss`), the weighted sum of the route's objectives (`routing_loss`) and
-    each objective unweighted (`routing/<name>`), their means since the previous log; with SMoES, its terms too.
+    beside the loss the token balancing (`aux_loss`), the weighted sum of the route's objectives (`routing_loss`),
+    each objective unweighted (`routing/<name>`) and the mean route weight of each depth (`depth_route/<stream>`),
+    their means since the previous log; with SMoES, its terms too.
 
     With TRL: `class OmniMoeVlSFTTrainer(OmniMoeVlLoss, SFTTrainer)`. `SFTTrainer`'s own loss scores the backbone's
     hidden states through a fused LM head and never calls the model's forward, so the route would train on the
@@ -290,6 +291,9 @@ class OmniMoeVlLoss(LogsSmoesTerms):
                     self.record_step_value(name, value)
             for name, value in (outputs.routing_losses or {}).items():
                 self.record_step_value(f"routing/{name}", value)
+            if outputs.depth_route is not None:
+                for depth, weight in enumerate(outputs.depth_route.float().mean(dim=0)):
+                    self.record_step_value(f"depth_route/{depth}", weight)
             self.record_smoes_terms([outputs])
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
@@ -311,7 +315,7 @@ class OmniMoeVlEvaluation(EvaluatesWhileTraining):
         }
 
 
-class OmniMoeVlTrainer(OmniMoeVlEvaluation, OmniMoeVlLoss, ShardedCheckpointsMixin, Trainer):
+class OmniMoeVlTrainer(OmniMoeVlEvaluation, OmniMoeVlLoss, LogsRoutingStatistics, ShardedCheckpointsMixin, Trainer):
     """`Trainer` with the model's own loss and its terms logged (`OmniMoeVlLoss`), which checkpoints and resumes a
     model sharded with `--fsdp` / `--ep` too (`ShardedCheckpointsMixin`)."""
 
@@ -468,6 +472,7 @@ def train_omnimoe_vl(
             callbacks=[RoutingStepCallback(), LogAtCheckpointsAndEnd()],
         )
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
             whole = OmniMoeVlTrainingOptions(dtype=options.dtype)

@@ -55,7 +55,7 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress
+from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress, write_tensorboard_into
 from .data import load_image_text_dataset
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
@@ -360,6 +360,7 @@ def train_smoes(
             callbacks=[LogAtCheckpointsAndEnd()],
         )
         use_rich_progress(trainer)
+        write_tensorboard_into(trainer, staging)
         trainer.train(resume_from_checkpoint=checkpoint)
         if options.fsdp > 1 or options.ep > 1:  # the heatmap and the saving run on one process's whole model
             whole = SmoesTrainingOptions(dtype=options.dtype)
