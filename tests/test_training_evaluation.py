@@ -141,6 +141,8 @@ def test_load_best_model_at_end_saves_the_best_checkpoint(inputs, evaluations, t
     (["--eval_data", "{eval}", "--load_best_model_at_end"],
      r"--load_best_model_at_end keeps the best checkpoint.*give --save_steps a multiple of --eval_steps \(2\)"),
     (["--eval_data", "{eval}", "--eval_strategy", "no"], r"--eval_data with --eval_strategy no would never read it"),
+    (["--eval_data", "{eval}", "--eval_strategy", "epoch", "--load_best_model_at_end"],
+     r"--load_best_model_at_end with --eval_strategy epoch: checkpoints are written every --save_steps steps"),
     (["--eval_data", "{folder}"], r"--eval_data .* is a folder and --data .* a JSON file: give the evaluation data in"),
 ])  # fmt: skip
 def test_what_cannot_work_is_refused_before_loading(flags, error, inputs, tmp_path, capfd):

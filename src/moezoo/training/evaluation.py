@@ -67,7 +67,10 @@ def check_evaluation_options(options) -> None:
     if metric is not None and not metric_matches(metric, names):
         raise ValueError(f"--metric_for_best_model {metric}: not a metric of this recipe's evaluation "
                          f"({', '.join(names)})")  # fmt: skip
-    if given.get("load_best_model_at_end") and strategy in (None, "steps"):
+    if given.get("load_best_model_at_end"):
+        if strategy not in (None, "steps"):
+            raise ValueError(f"--load_best_model_at_end with --eval_strategy {strategy}: checkpoints are written every "
+                             "--save_steps steps, so evaluate at steps too (--eval_strategy steps)")  # fmt: skip
         eval_steps = given.get("eval_steps") or min(options.logging_steps, options.steps)
         if not options.save_steps or options.save_steps % eval_steps:
             raise ValueError(f"--load_best_model_at_end keeps the best checkpoint, so checkpoints must fall on "
