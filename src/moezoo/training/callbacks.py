@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -180,11 +181,27 @@ def use_rich_progress(trainer) -> None:
     trainer.add_callback(RichProgressCallback())
 
 
+class TensorBoardRunsIntoOutput(TrainerCallback):
+    """Moves the TensorBoard event files of a finished run into its output folder (`write_tensorboard_into`)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # Runs after the TensorBoardCallback's own on_train_end, which closes its writer: it was added to the Trainer
+        # before this callback. The event files of every part of a resumed run are in the checkpoints' runs/.
+        runs = Path(args.output_dir) / "runs"
+        if state.is_world_process_zero and runs.is_dir():
+            shutil.move(runs, self.folder / "runs")
+
+
 def write_tensorboard_into(trainer, folder: str | Path) -> None:
-    """With `--report_to tensorboard`, the event files go to `folder/runs`, in the run's output folder, where they are
-    kept with the trained model: transformers' default, `runs/` in the Trainer's `output_dir`, is the checkpoints
-    folder, which a finished run deletes. `TENSORBOARD_LOGGING_DIR`, which transformers reads, still chooses another
-    folder (one to watch while the run trains: the output folder is a hidden one beside --out until it ends)."""
+    """With `--report_to tensorboard`, the event files end in `folder/runs`, in the run's output folder, kept with
+    the trained model. While the run trains they are in transformers' default folder, `runs/` in the Trainer's
+    `output_dir`, the checkpoints folder (`OUT.checkpoints/runs`), to watch there; that folder stays with the
+    checkpoints of an interrupted run, which `--resume` continues, while the output folder is removed, and a finished
+    run deletes it once they are moved. `TENSORBOARD_LOGGING_DIR`, which transformers reads, still chooses another
+    folder, where they stay."""
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
-            callback.logging_dir = str(Path(folder) / "runs")
+            trainer.add_callback(TensorBoardRunsIntoOutput(folder))
