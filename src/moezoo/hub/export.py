@@ -6,19 +6,25 @@ flattened into `configuration_*.py`, `modeling_*.py`, `processing_*.py` and the 
 embedders, also the sentence-transformers files (`modules.json` and its module). It loads
 with `trust_remote_code=True` where moezoo is not installed, and without remote code where it is.
 
-Export reads the weights with moezoo's classes and writes fresh code files and `auto_map`s, so it also repairs
+Export checks the weights against moezoo's classes and writes fresh code files and `auto_map`s, so it also repairs
 folders saved after distributed training (platform.md §8.3: an FSDP2 save copies torch's wrapper files instead of
-the model's and writes a wrong `auto_map`).
+the model's and writes a wrong `auto_map`). The model is never loaded: it is built on the `meta` device, which
+checks every tensor's name and shape from the safetensors headers, and the tensors are copied one at a time into
+shards of `max_shard_size`, so an export holds one output shard whatever the model's size.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError
+from transformers.utils import GENERATION_CONFIG_NAME
+from transformers.utils.hub import convert_file_size_to_int
 
 from .. import __version__
+from ..conversion.streaming import ShardWriter, SourceCheckpoint, copy_as, stream_groups
 from ..modeling.moe.accounting import count_parameters
 from ..registry import Architecture, get_architecture, resolve
 from ..terminal import quiet_libraries
@@ -29,15 +35,17 @@ from .sources import model_folder
 from .sentence_transformers_files import SENTENCE_TRANSFORMERS_MODULES, write_sentence_transformers_files
 
 
-def load_model_checked(architecture: Architecture, folder: Path):
-    """Load with moezoo's class and fail on any missing, unexpected or mismatched tensor, naming them.
+def load_model_checked(architecture: Architecture, folder: Path, **kwargs):
+    """Load with moezoo's class (`kwargs` go to `from_pretrained`: `device_map="meta"` checks the folder's tensor
+    names and shapes without reading a weight) and fail on any missing, unexpected or mismatched tensor, naming them.
 
     transformers' own load report is silenced: the problems are reported here, in one error.
     """
     model_class = architecture.model_class()
     try:
         with quiet_libraries():
-            model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True)
+            model, info = model_class.from_pretrained(folder, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                      **kwargs)
     except (RuntimeError, ValueError, OSError, SafetensorError) as error:
         raise ValueError(f"cannot load {folder} as {architecture.title}: {error}") from error
     problems = []
@@ -95,13 +103,18 @@ def export_folder(
     architecture = get_architecture(model_type)
     # The weights are read once `out` is claimed: a taken `out` fails at once, not after loading a large model.
     with atomic_output_dir(out, overwrite=overwrite) as staging:
-        model = load_model_checked(architecture, source)
+        # On the meta device: checked against the config from the safetensors headers, no weight read
+        model = load_model_checked(architecture, source, device_map="meta")
         processor = load_processor(architecture, source)
         provenance = read_provenance(source) | {"architecture": architecture.name, "moezoo_version": __version__}
         if training:  # entries for the record of the run that trained the model, which the card shows
             provenance["training"] = provenance.get("training", {}) | training
         counts = count_parameters(model)
-        model.save_pretrained(staging, max_shard_size=max_shard_size, safe_serialization=True)
+        copy_weights(source, staging, max_shard_size)
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(staging)
+        if (source / GENERATION_CONFIG_NAME).is_file():
+            shutil.copy2(source / GENERATION_CONFIG_NAME, staging / GENERATION_CONFIG_NAME)
         if processor is not None:
             processor.save_pretrained(staging)
         entry_modules = code_entry_modules(architecture)
@@ -118,6 +131,16 @@ def export_folder(
         )
         card.save(staging / "README.md")
     return out
+
+
+def copy_weights(source: Path, folder: Path, max_shard_size: str | int) -> None:
+    """The tensors of `source`'s safetensors files, as they are stored (names, dtypes), resharded into `folder` at
+    `max_shard_size`: read one at a time, so the copy holds one output shard, whatever the model's size."""
+    checkpoint = SourceCheckpoint(source, "the model folder")
+    writer = ShardWriter(folder, convert_file_size_to_int(max_shard_size), dtype=None)
+    for key, tensor in stream_groups([checkpoint], [copy_as(key, key) for key in checkpoint.shapes]):
+        writer.add(key, tensor, cast=False)
+    writer.finish()
 
 
 def _flat_reference(class_path: str, flat_names: dict[str, str]) -> str:
