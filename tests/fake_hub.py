@@ -3,7 +3,8 @@
 It serves what `huggingface_hub` (create_repo, create_branch, upload_folder) and `transformers`
 (from_pretrained with trust_remote_code, snapshot downloads) actually call: repo creation, branch creation,
 preupload, NDJSON commits, model info, tree listings, paths-info and file resolution with the `X-Repo-Commit` /
-`ETag` headers and `404 EntryNotFound` answers the clients rely on.
+`ETag` headers and `404 EntryNotFound` answers the clients rely on, and range requests (`Range: bytes=a-b`, answered
+206 with that part: `get_safetensors_metadata` reads safetensors headers so).
 
 What it does NOT cover, so tests using it prove nothing about these:
 - LFS and Xet transfer: preupload answers "regular" for every file, so contents travel base64 inside the commit;
@@ -169,8 +170,15 @@ class FakeHubHandler(BaseHTTPRequestHandler):
             file_path = unquote(match.group(3))
             if file_path not in files:
                 return self._send(404, b"", headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": sha}, head=head)
-            return self._send(200, files[file_path], content_type="application/octet-stream",
-                              headers={"X-Repo-Commit": sha, "ETag": '"%s"' % _git_oid(files[file_path])}, head=head)
+            data, headers = files[file_path], {"X-Repo-Commit": sha, "ETag": '"%s"' % _git_oid(files[file_path])}
+            if requested := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or ""):
+                # A range request (how safetensors headers are read): the part asked for
+                first = int(requested.group(1))
+                last = min(int(requested.group(2) or len(data) - 1), len(data) - 1)
+                headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+                return self._send(206, data[first : last + 1], content_type="application/octet-stream",
+                                  headers=headers, head=head)
+            return self._send(200, data, content_type="application/octet-stream", headers=headers, head=head)
         return self._error(404, "NotFound", head)
 
     def do_GET(self):

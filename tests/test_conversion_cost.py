@@ -12,12 +12,13 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import run_moezoo_in_this_process
+from conftest import run_moezoo, run_moezoo_in_this_process, run_python
 from moezoo.cli import _converter_options_parser
 from moezoo.configuration.mote import TINY_LLAMA
 from moezoo.conversion import cost as cost_module
 from moezoo.conversion.cost import conversion_cost
 from moezoo.registry import CONVERTERS
+from test_hub import fake_hub  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,23 @@ def test_the_streaming_writer_refuses_a_value_its_dtype_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match=r"model\.norm\.weight holds values up to 9\.984e\+04 .*--dtype float16"):
         writer.add("model.norm.weight", torch.tensor([1.0, 1e5], dtype=torch.bfloat16))
     assert not list(tmp_path.iterdir())
+
+
+def test_dry_run_on_a_hub_repo_reads_headers_not_weights(bf16_llama, fake_hub, tmp_path, capfd):
+    """`--dry-run --from ORG/NAME` downloads the configs and tokenizer and reads each safetensors header with a range
+    request (`get_safetensors_metadata`): the cost is that of the local folder, and the Hub cache holds no weights."""
+    sharded = tmp_path / "sharded"
+    LlamaForCausalLM.from_pretrained(bf16_llama, dtype=torch.bfloat16).save_pretrained(sharded, max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1  # the index and every shard's header are read
+    run_python(f"""
+        from huggingface_hub import HfApi
+        HfApi().create_repo("zoo/llama-bf16")
+        HfApi().upload_folder(repo_id="zoo/llama-bf16", folder_path={str(sharded)!r})
+    """, env=fake_hub)
+    from_hub = run_moezoo("convert", "--to", "mote", "--from", "zoo/llama-bf16", "--dry-run", env=fake_hub)
+    assert from_hub.returncode == 0, from_hub.stderr
+    local = run_moezoo_in_this_process(capfd, "convert", "--to", "mote", "--from", sharded, "--dry-run")
+    cost_table = [line for line in local.stdout.splitlines() if "mote-llama" in line]
+    assert cost_table and cost_table == [line for line in from_hub.stdout.splitlines() if "mote-llama" in line]
+    cached = [path.name for path in (tmp_path / "hf").rglob("*") if path.is_file()]
+    assert "config.json" in cached and not [name for name in cached if name.endswith(".safetensors")], cached

@@ -233,7 +233,7 @@ def _converter_options_parser(converter, architecture: str) -> argparse.Argument
 def _run_convert(args) -> int:
     from pathlib import Path
 
-    from .conversion.common import find_converter, write_conversion
+    from .conversion.common import find_converter, local_source, source_headers, write_conversion
     from .conversion.cost import check_disk_space, conversion_cost
     from .hub.folders import atomic_output_dir
     from .registry import CONVERTERS, architectures_named, resolve
@@ -261,8 +261,9 @@ def _run_convert(args) -> int:
     if missing:
         raise ValueError(f"convert needs {', '.join(missing)} (or --list)")
     if args.dry_run:
-        source, _, converter, options = _chosen_converter(args)
-        cost = conversion_cost(converter, source, options)
+        with source_headers(args.source) as source:  # a Hub repo's configs and headers, not its weights
+            _, converter, options = _chosen_converter(args, source)
+            cost = conversion_cost(converter, source, options)
         if cost is None:
             raise ValueError(f"{converter.name} cannot say what it will cost: it has no plan function (Converter.plan)")
         _print_cost(cost, args.out)
@@ -271,7 +272,8 @@ def _run_convert(args) -> int:
     # The output folder is claimed first, so that a taken --out fails before a download and a conversion that can
     # take hours, not after them.
     with atomic_output_dir(args.out, overwrite=args.overwrite) as staging:
-        source, kind, converter, options = _chosen_converter(args)
+        source = local_source(args.source)
+        kind, converter, options = _chosen_converter(args, source)
         cost = conversion_cost(converter, source, options)
         if cost is not None:
             check_disk_space(staging, cost.disk_bytes)
@@ -294,17 +296,16 @@ def _run_convert(args) -> int:
     return 0
 
 
-def _chosen_converter(args):
-    """The source (downloaded if a Hub id), its kind, the converter that takes it and the converter's parsed options."""
-    from .conversion.common import find_converter, local_source, source_kind
+def _chosen_converter(args, source: Path):
+    """The kind of the local `source`, the converter that takes it and the converter's parsed options."""
+    from .conversion.common import find_converter, source_kind
 
-    source = local_source(args.source)
     kind = source_kind(source)
     converter = find_converter(args.architecture, kind, args.variant)
     options = vars(_converter_options_parser(converter, args.architecture).parse_args(args.converter_args))
     if args.variant:
         options["variant"] = args.variant
-    return source, kind, converter, options
+    return kind, converter, options
 
 
 def _print_cost(cost, out: str | None) -> None:

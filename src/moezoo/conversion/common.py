@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ from transformers import AutoTokenizer
 
 from .. import __version__
 from ..hub.folders import atomic_output_dir, write_provenance
-from ..hub.sources import locate, open_safetensors, source_name
+from ..hub.sources import header_only_source, locate, open_safetensors, source_name
 from ..registry import CONVERTERS, Converter, architectures_named
 
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+SOURCE_ADVICE = ("give --from a local folder or file",)  # how an error about --from says what to do
 
 
 @dataclass
@@ -35,7 +37,13 @@ class ConversionResult:
 
 def local_source(source: str | Path) -> Path:
     """A local file or folder as is; a Hub repo id downloaded (see `moezoo.hub.sources.locate`)."""
-    return locate(source, "the source", "give --from a local folder or file")
+    return locate(source, "the source", *SOURCE_ADVICE)
+
+
+def source_headers(source: str | Path) -> AbstractContextManager[Path]:
+    """`local_source` without the weights of a Hub repo, for `moezoo convert --dry-run` (see
+    `moezoo.hub.sources.header_only_source`)."""
+    return header_only_source(source, "the source", *SOURCE_ADVICE)
 
 
 def option_name(name: str, value: Any = ...) -> str:

@@ -17,13 +17,21 @@ its safetensors files are checked to be whole before transformers reads them (it
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import (
+    HFValidationError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    NotASafetensorsRepoError,
+    RepositoryNotFoundError,
+)
+from huggingface_hub.utils import SafetensorsFileMetadata, validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from ..registry import ARCHITECTURES
@@ -104,6 +112,47 @@ def locate(
     if check_config is not None:
         check_config(Path(hf_hub_download(repo_id, "config.json", repo_type=repo_type)).parent)
     return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns))
+
+
+@contextmanager
+def header_only_source(source: str | Path, what: str, how: str | None = None) -> Iterator[Path]:
+    """What a source says of itself without its weights, for `moezoo convert --dry-run`: a local path as it is; a Hub
+    repo as a temporary folder holding its small files (configs, tokenizer, the safetensors index: `TOKENIZER_FILES`)
+    and, for each safetensors file, a stand-in with the file's header and a hole (a sparse file) where its data is.
+    The headers come from `HfApi.get_safetensors_metadata`, which asks for the first bytes of each file (HTTP range
+    requests), so no weight is downloaded. A repo without safetensors (a PyTorch pickle, whose shapes lie in the
+    pickle), and any repo when the Hub cannot be used, are found as `locate` finds them."""
+    path = Path(source).expanduser()
+    if path.exists() or not is_hub_repo_id(str(source)) or constants.HF_HUB_OFFLINE:
+        yield locate(source, what, how)
+        return
+    small_files = locate(source, what, how, allow_patterns=TOKENIZER_FILES)
+    try:
+        metadata = HfApi().get_safetensors_metadata(str(source))
+    except NotASafetensorsRepoError:
+        yield locate(source, what, how)
+        return
+    with tempfile.TemporaryDirectory(prefix="moezoo-headers-") as folder:
+        shutil.copytree(small_files, folder, dirs_exist_ok=True)
+        for name, header in metadata.files_metadata.items():
+            write_header_only_safetensors(Path(folder) / name, header)
+        yield Path(folder)
+
+
+def write_header_only_safetensors(path: Path, header: SafetensorsFileMetadata) -> None:
+    """A safetensors file with `header`'s tensors (names, dtypes, shapes, offsets) whose data is a hole of the right
+    size: safetensors reads its header as the original's, and the disk holds only the header."""
+    entries = {name: {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": list(tensor.data_offsets)}
+               for name, tensor in header.tensors.items()}  # fmt: skip
+    if header.metadata:
+        entries["__metadata__"] = header.metadata
+    encoded = json.dumps(entries).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts aligned, as safetensors writes it
+    data_size = max((tensor.data_offsets[1] for tensor in header.tensors.values()), default=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as file:
+        file.write(len(encoded).to_bytes(8, "little") + encoded)
+        file.truncate(8 + len(encoded) + data_size)
 
 
 def _cached_snapshot(repo_id: str, repo_type: str, patterns: list[str] | None) -> Path | None:
