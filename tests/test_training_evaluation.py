@@ -4,17 +4,18 @@ and kept in the run's summary; `--load_best_model_at_end --metric_for_best_model
 and what cannot work is refused in one line before anything is loaded, leaving nothing in `--out`."""
 
 import json
-import re
 import math
+import re
 
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
 
 from conftest import run_moezoo_in_this_process
 from moezoo.hub.folders import read_provenance
 from moezoo.training import moe_vie, moemb, moemb_grpo, mote, omnimoe_vl, smoes
-from moezoo.training.evaluation import EvaluatesWhileTraining, metric_matches
+from moezoo.training.evaluation import EvaluatesWhileTraining, check_same_format, metric_matches
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
@@ -50,9 +51,10 @@ def inputs(tmp_path_factory) -> dict[str, dict]:
     experts = json.loads((models["mote"] / "config.json").read_text())["text_config"]["mote_expert_names"]
     pairs = ShapeRetrieval().write_mmeb_training(root / "pairs", 8, torch.Generator().manual_seed(0))
     pair_rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    captions_split = split("captions", rows)
     data = {
-        "moe_vie": split("captions", rows),
-        "smoes": split("captions", rows),
+        "moe_vie": captions_split,
+        "smoes": captions_split,
         "omnimoe_vl": split("vqa", [{"image": row["image"], "question": "what is it?", "answer": row["text"]}
                                     for row in rows]),
         "mote": split("tasks", [{"task": experts[i % len(experts)], "prompt": "read", "answer": row["text"],
@@ -164,3 +166,16 @@ def test_grpo_does_not_evaluate_and_says_so(inputs, tmp_path, capfd):
                         r"the trained model with `moezoo eval`\n", result.stderr), result.stderr
     with pytest.raises(ValueError, match=r"--eval_data: this recipe \(GrpoOptions\)"):
         moemb_grpo.GrpoOptions(eval_data=run["eval_data"])
+
+
+def test_evaluation_data_is_compared_by_how_the_loaders_read_it(tmp_path):
+    """JSON and JSON Lines are one format (datasets' json builder), a CSV file or a folder another; data in memory
+    (`datasets.Dataset`) is read whatever the other side's format."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    check_same_format(tmp_path / "train.jsonl", tmp_path / "eval.JSON")
+    check_same_format(Dataset.from_dict({"text": ["a"]}), tmp_path / "eval.csv")
+    with pytest.raises(ValueError, match=r"--eval_data .*eval\.csv is a CSV file and --data .*train\.jsonl a JSON file"):
+        check_same_format(tmp_path / "train.jsonl", tmp_path / "eval.csv")
+    with pytest.raises(ValueError, match=r"--eval_data .*images is a folder and --data .*train\.parquet a PARQUET file"):
+        check_same_format(tmp_path / "train.parquet", folder)
