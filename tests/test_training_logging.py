@@ -16,6 +16,7 @@ from tensorboardX.proto.event_pb2 import Event
 from transformers.integrations import get_available_reporting_integrations
 
 from conftest import run_moezoo_in_this_process
+from moezoo.training.moe_vie import MoeVieTrainer
 from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
@@ -75,6 +76,35 @@ def test_tensorboard_holds_the_loss_and_the_routing_statistics(command, inputs, 
         assert depths and all(len(steps) == 2 for steps in depths)
         assert math.isclose(sum(steps[0][1] for steps in depths), 1.0, rel_tol=1e-5)
     assert not (tmp_path / "out.checkpoints").exists()
+
+
+def test_a_resumed_run_keeps_the_event_files_of_its_interrupted_part(inputs, tmp_path, capfd, monkeypatch):
+    """While a run trains its event files are in OUT.checkpoints/runs, which an interrupted run keeps with its
+    checkpoints: the resumed run ends with both parts' in OUT/runs."""
+    out = tmp_path / "out"
+    command = ["train", "moe_vie", *inputs["moe_vie"], "--out", out, "--steps", "2", "--batch-size", "2",
+               "--logging-steps", "1", "--save_steps", "1", "--report_to", "tensorboard"]  # fmt: skip
+    training_step = MoeVieTrainer.training_step
+
+    def interrupted_at_step_2(self, *args, **kwargs):
+        if self.state.global_step == 1:  # after the checkpoint of step 1
+            raise KeyboardInterrupt
+        return training_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MoeVieTrainer, "training_step", interrupted_at_step_2)
+        interrupted = run_moezoo_in_this_process(capfd, *command)
+    assert interrupted.returncode != 0 and "interrupted" in interrupted.stderr
+    runs = tmp_path / "out.checkpoints" / "runs"
+    [first_part] = [path.relative_to(runs) for path in runs.rglob("events.out.tfevents.*")]
+    result = run_moezoo_in_this_process(capfd, *command, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert (out / "runs" / first_part).is_file() and not (tmp_path / "out.checkpoints").exists()
+    # The interrupted part's writer is closed when its process ends (tensorboardX's atexit), which in this test's
+    # process is after the test: the scalars read back are the resumed part's.
+    scalars = read_scalars(out / "runs")
+    assert 2 in [step for step, _ in scalars["train/loss"]]
+    assert 2 in [step for step, _ in scalars["train/experts/load_entropy"]]
 
 
 def test_a_tracker_that_is_not_installed_is_refused_with_its_pip_command(inputs, tmp_path, capfd):
