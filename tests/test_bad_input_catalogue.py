@@ -140,9 +140,6 @@ CASES = [
          r"--load_best_model_at_end needs evaluation data: give --eval_data FILE"),
     Case("train-evaluation-without-data", f"{TRAIN_MOTE} {{glm}} --eval_strategy steps",
          r"--eval_strategy needs evaluation data: give --eval_data FILE"),
-    Case("train-evaluation-data-in-another-format", f"{TRAIN_VIE} {{vie}} --eval_data {{empty}}",
-         r"--eval_data .* is a folder and --data .* a JSON file: give the evaluation data in the format of the "
-         r"training data"),
     Case("train-unknown-tracker", f"{TRAIN_MOTE} {{glm}} --report_to tensorbord",
          r"--report_to tensorbord: not a tracker transformers knows \(did you mean tensorboard\?\)"),
     Case("train-config-unknown-key", f"{TRAIN_VIE} {{vie}} --config {{bad_config}}",
