@@ -410,9 +410,9 @@ def test_cli_options_reach_the_llama_converter(llama_source, siglip_source):
     assert result.provenance["max_abs_diff"] is None and result.provenance["experts"] == COIN
     text_config = result.model.config.text_config
     assert text_config.mote_layers == [1]
-    assert "model.language_model.layers.0.mlp.gate_proj.weight" in result.model.state_dict()
+    assert "model.language_model.layers.0.mlp.gate_proj.weight" in result.model.load().state_dict()
     dense = mote_llama.convert(folder, **vars(parser.parse_args(["--dense"])))  # the text-only dense baseline
-    assert isinstance(dense.model, LlamaMoteForCausalLM) and dense.model.config.mote_expert_names == []
+    assert dense.model.model_class is LlamaMoteForCausalLM and dense.model.config.mote_expert_names == []
     assert dense.provenance["max_abs_diff"] == 0.0
 
 

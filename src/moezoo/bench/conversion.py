@@ -238,13 +238,14 @@ def _mote_llama(source: Path, verify: bool) -> dict:
     vision = source / VISION_FOLDER
     # no tokenizer: the <v> placeholder is a row of the source's own vocabulary
     placeholders = dict(vision=vision, video_token_id=_vocab_size(source) - 1, frame_token_interval_id=11)
-    return convert(source, verify=verify, **(placeholders if vision.is_dir() else {})).provenance
+    return convert(source, verify=verify, max_shard_size=_shard_size(source),
+                   **(placeholders if vision.is_dir() else {})).provenance
 
 
 def _mote_glm_ocr(source: Path, verify: bool) -> dict:
     from ..conversion.mote_glm_ocr import convert
 
-    return convert(source, verify=verify).provenance
+    return convert(source, verify=verify, max_shard_size=_shard_size(source)).provenance
 
 
 def _omnimoe_vl(source: Path, verify: bool) -> dict:
@@ -371,12 +372,20 @@ def measure_here(converter: str, sources: Sequence[Path], verify: bool) -> list[
 def measure_in_child(converter: str, sources: Sequence[Path], verify: bool, timeout: float | None = None
                      ) -> list[Measurement]:  # fmt: skip
     """`measure_here` in a fresh interpreter (one for all the sources, which it converts in turn)."""
-    command = [sys.executable, "-m", "moezoo.bench.conversion", "--child", converter, *map(str, sources)]
+    return measure_several_in_child({converter: sources}, verify, timeout)
+
+
+def measure_several_in_child(jobs: dict[str, Sequence[Path]], verify: bool, timeout: float | None = None
+                             ) -> list[Measurement]:  # fmt: skip
+    """`measure_here` for each converter of `jobs` (converter -> its sources) in turn, all in one fresh interpreter,
+    which pays for starting Python and importing torch once."""
+    command = [sys.executable, "-m", "moezoo.bench.conversion", "--child",
+               json.dumps({converter: list(map(str, sources)) for converter, sources in jobs.items()})]  # fmt: skip
     if not verify:
         command.append("--no-verify")
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"converting with {converter} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"converting with {', '.join(jobs)} failed:\n{done.stderr[-4000:]}")
     return [Measurement(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
@@ -432,10 +441,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _child(argv: Sequence[str]) -> None:
-    """`python -m moezoo.bench.conversion --child CONVERTER SOURCE... [--no-verify]`: `measure_here`, as JSON."""
+    """`python -m moezoo.bench.conversion --child '{"CONVERTER": [SOURCE, ...], ...}' [--no-verify]`: `measure_here`
+    for each converter, as JSON."""
     verify = "--no-verify" not in argv
-    converter, *sources = [arg for arg in argv if arg != "--no-verify"]
-    rows = measure_here(converter, [Path(source) for source in sources], verify)
+    [jobs] = [arg for arg in argv if arg != "--no-verify"]
+    rows = [row for converter, sources in json.loads(jobs).items()
+            for row in measure_here(converter, [Path(source) for source in sources], verify)]  # fmt: skip
     print(json.dumps([asdict(row) for row in rows]))
 
 

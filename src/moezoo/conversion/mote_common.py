@@ -1,29 +1,42 @@
-"""What the MoTE conversions share (spec mote.md §5): reading a checkpoint tensor by tensor, building the experts of
-one dense FFN (§5.3), filling a model built without initialisation, and the command-line options.
+"""What the MoTE conversions share (spec mote.md §5): building the experts of one dense FFN (§5.3), the streamed
+conversion, and the command-line options.
 
-A conversion never holds the source model: it builds the MoTE model uninitialised in the target dtype, then reads
-the source's safetensors one tensor at a time, copying each into place or, for a decoder FFN, turning it into the
-layer's experts as soon as the layer's projections are all read. Peak memory is the MoTE model plus one layer.
-Every source tensor is copied, turned into experts or dropped for a stated reason, and every tensor of the MoTE
-model must be written exactly once; anything else is an error.
+A conversion never holds the source model nor the MoTE one: it plans the conversion as `streaming.TensorGroup`s (each
+source tensor copied under its MoTE name, or dropped for a stated reason; each converted layer's dense FFN turned
+into the layer's experts; new tensors, such as a projector, initialised), checks the plan on the meta device against
+the MoTE class (every tensor of the MoTE model produced exactly once, with its shape; every source tensor accounted
+for), then reads the source's safetensors shard by shard and writes the MoTE model shard by shard. Peak memory is one
+layer's experts and one output shard, whatever the depth.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+import copy
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
-from transformers.initialization import no_init_weights
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
-from ..hub.sources import open_safetensors
+from ..terminal import quiet_libraries
 from .common import option_name, source_license
-from .dtypes import add_dtype_argument, cast_checked
+from .dtypes import add_dtype_argument, saved_tensors
+from .streaming import (
+    Build,
+    ShardWriter,
+    SourceCheckpoint,
+    TensorGroup,
+    check_plan,
+    copy_as,
+    listing,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
 # --construction -> (how routed experts are built, how the shared expert is built, lambda_sh = lambda_task)
@@ -169,195 +182,137 @@ def mote_fields(
     )
 
 
-# --- reading the source ----------------------------------------------------------------------------------------------
+# --- the streamed conversion ------------------------------------------------------------------------------------------
 
 
-class SafetensorsCheckpoint:
-    """The tensors of a folder's safetensors files (one file or an indexed set of shards), read one at a time."""
+class MotePlan:
+    """A MoTE conversion as `streaming.TensorGroup`s, with the accounting of every source tensor (copied, turned into
+    experts, dropped for a stated reason) and of every new one (initialised for a stated reason)."""
 
-    def __init__(self, folder: Path):
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({folder / name for name in weight_map.values()})
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(
-                f"{folder} has no .safetensors weights; the MoTE conversions read safetensors only (save the base "
-                "model with save_pretrained(..., safe_serialization=True) first)"
-            )
-        self.folder = folder
-        self.files = files
-
-    @contextmanager
-    def tensors(self) -> Iterator[Iterator[tuple[str, Callable[[], torch.Tensor]]]]:
-        """Yields `(key, load)` for every tensor, file by file; `load()` reads that tensor only."""
-        with ExitStack() as stack:
-            handles = [stack.enter_context(open_safetensors(path)) for path in self.files]
-            yield ((key, _loader(handle, key)) for handle in handles for key in handle.keys())
-
-
-def _loader(handle, key: str) -> Callable[[], torch.Tensor]:
-    return lambda: handle.get_tensor(key)
-
-
-def adopt_generation_config(model, folder: Path) -> None:
-    """Give the converted model the source's generation config (its sampling defaults and end tokens), if any."""
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(str(folder))
-
-
-# --- writing the MoTE model ----------------------------------------------------------------------------------------
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def uninitialised(model_class, config, dtype: torch.dtype):
-    """`model_class(config)` with its parameters allocated once, in `dtype`, not initialised, and its tied weights
-    tied (which initialisation would otherwise do)."""
-    with no_init_weights(), default_dtype(dtype):
-        model = model_class(config)
-    model.tie_weights()
-    return model
-
-
-@dataclass
-class StateWriter:
-    """Fills an uninitialised model tensor by tensor and accounts for every source tensor.
-
-    Tied weights are one tensor, written through their first name (the embedding for a tied LM head).
-    """
-
-    model: torch.nn.Module
-    layout: FeedForwardLayout
-    names: list[str]
-    construction: str
-    num_shared_experts: int
-    generator: torch.Generator
-    targets: dict[str, torch.Tensor] = field(init=False)
-    written: set[str] = field(init=False, default_factory=set)
-    accounting: dict = field(init=False)
-    _pending: dict[str, dict[str, torch.Tensor]] = field(init=False, default_factory=dict)
-    _ffn_seen: dict[str, set[str]] = field(init=False, default_factory=dict)
-
-    @classmethod
-    def for_new_model(cls, model_class, config, dtype: torch.dtype, layout: FeedForwardLayout, construction: str,
-                      num_shared_experts: int, seed: int) -> tuple[torch.nn.Module, StateWriter]:
-        """`model_class(config)`, uninitialised in `dtype`, and the writer that fills it; `seed` seeds the neuron
-        partition of the `split` construction."""
-        model = uninitialised(model_class, config, dtype)
-        names = config.get_text_config().mote_expert_names
-        return model, cls(model, layout, names, construction, num_shared_experts, torch.Generator().manual_seed(seed))
-
-    def __post_init__(self):
-        self.targets, storages = {}, set()
-        for key, tensor in self.model.state_dict(keep_vars=True).items():
-            if tensor.data_ptr() not in storages:
-                storages.add(tensor.data_ptr())
-                self.targets[key] = tensor
+    def __init__(self, layout: FeedForwardLayout, text_config, construction: str, seed: int):
+        self.layout, self.construction = layout, construction
+        self.names, self.num_shared_experts = text_config.mote_expert_names, text_config.mote_num_shared_experts
+        self.generator = torch.Generator().manual_seed(seed)  # the neuron partitions of `split`, layer after layer
+        self.groups: list[TensorGroup] = []
         self.accounting = {"source_tensors": 0, "copied": 0, "turned_into_experts": 0, "dropped": {},
                            "initialised": {}}
 
-    def copy(self, source_key: str, target_key: str, tensor: torch.Tensor) -> None:
+    def copy(self, source_key: str, target_key: str) -> None:
         self.accounting["source_tensors"] += 1
         self.accounting["copied"] += 1
-        self._write(target_key, tensor, source_key)
+        self.groups.append(copy_as(source_key, target_key))
+
+    def copy_tensor(self, source_key: str, target_key: str, tensor: torch.Tensor) -> None:
+        """A tensor read from a file outside the source checkpoints (VideoLLM-online's connector), already in hand."""
+        self.accounting["source_tensors"] += 1
+        self.accounting["copied"] += 1
+        self.groups.append(TensorGroup((), lambda tensors, device: {target_key: tensor}))
 
     def drop(self, source_key: str, reason: str) -> None:
         self.accounting["source_tensors"] += 1
         self.accounting["dropped"][source_key] = reason
 
-    def initialise(self, target_key: str, tensor: torch.Tensor, reason: str) -> None:
-        self.accounting["initialised"][target_key] = reason
-        self._write(target_key, tensor, "(initialised)")
+    def initialise(self, tensors: dict[str, torch.Tensor], reason: str) -> None:
+        """New tensors without a source (a new projector), by target key."""
+        self.accounting["initialised"] |= dict.fromkeys(tensors, reason)
+        self.groups.append(TensorGroup((), lambda inputs, device: tensors))
 
-    def add_ffn(self, source_key: str, target_prefix: str, projection: str, tensor: torch.Tensor) -> None:
-        """One tensor of a dense FFN that becomes experts; the layer's experts are written once it is complete."""
-        self.accounting["source_tensors"] += 1
-        self.accounting["turned_into_experts"] += 1
-        self._ffn_seen.setdefault(target_prefix, set()).add(projection)
-        pending = self._pending.setdefault(target_prefix, {})
-        pending[projection] = tensor
-        if set(pending) == set(self.layout.projections):
-            dense = self._pending.pop(target_prefix)
-            experts = build_experts(dense, self.layout, self.names, self.construction, self.num_shared_experts,
-                                    self.generator)
-            for key, expert_tensor in experts.items():
-                self._write(f"{target_prefix}.{key}", expert_tensor, source_key)
-
-    def finish(self, expected_ffns: dict[str, dict[str, str]]) -> dict:
-        """Check that every converted layer got its whole dense FFN (`expected_ffns`: target prefix -> {projection:
-        source key}) and that every tensor of the model was written; return the accounting."""
-        missing = [
-            source_key
-            for prefix, keys in expected_ffns.items()
-            for projection, source_key in keys.items()
-            if projection not in self._ffn_seen.get(prefix, ())
-        ]
+    def add_ffns(self, ffns: dict[str, dict[str, str]], source_keys: Iterable[str]) -> set[str]:
+        """Turn the dense FFN of every converted layer (target prefix -> {projection: source key}) into the layer's
+        experts, once all its projections are read; fail naming the projections the source lacks. Returns the source
+        keys taken."""
+        available = set(source_keys)
+        missing = [key for projections in ffns.values() for key in projections.values() if key not in available]
         if missing:
             raise ValueError(
-                f"the source lacks the FFN tensors {_listing(missing)} of decoder layers to convert: it is not a "
+                f"the source lacks the FFN tensors {listing(missing)} of decoder layers to convert: it is not a "
                 f"complete checkpoint of the expected architecture (or pass {option_name('mote_layers')} to convert "
                 "fewer layers)"
             )
-        unwritten = sorted(set(self.targets) - self.written)
-        if unwritten:
-            raise ValueError(
-                f"the source has no tensors for {_listing(unwritten)}: the checkpoint is incomplete or of another "
-                "architecture"
-            )
-        return self.accounting
+        for prefix, projections in ffns.items():
+            self.accounting["source_tensors"] += len(projections)
+            self.accounting["turned_into_experts"] += len(projections)
+            self.groups.append(TensorGroup(tuple(projections.values()), self._experts(prefix, projections)))
+        return {key for projections in ffns.values() for key in projections.values()}
 
-    def _write(self, target_key: str, tensor: torch.Tensor, source_key: str) -> None:
-        target = self.targets.get(target_key)
-        if target is None:
-            raise ValueError(
-                f"source tensor {source_key} maps to {target_key}, which the MoTE model does not have: an unexpected "
-                "tensor (another architecture, or a config that does not match the weights)"
-            )
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"source tensor {source_key} has shape {tuple(tensor.shape)} but {target_key} is "
-                f"{tuple(target.shape)}: the weights do not match config.json"
-            )
-        if target_key in self.written:
-            raise ValueError(f"{target_key} is written twice (from {source_key})")
-        with torch.no_grad():
-            target.copy_(cast_checked(target_key, tensor, target.dtype))
-        self.written.add(target_key)
+    def _experts(self, prefix: str, projections: dict[str, str]) -> Build:
+        def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+            dense = {projection: tensors[key] for projection, key in projections.items()}
+            # Checking the plan on meta tensors must not draw the split partitions from the seeded generator.
+            generator = torch.Generator() if device == "meta" else self.generator
+            experts = build_experts(dense, self.layout, self.names, self.construction, self.num_shared_experts,
+                                    generator)  # fmt: skip
+            return {f"{prefix}.{key}": tensor for key, tensor in experts.items()}
+
+        return build
 
 
-def _listing(items: list[str], limit: int = 6) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+def write_mote_checkpoint(
+    plan: MotePlan,
+    checkpoints: list[SourceCheckpoint],
+    model: PreTrainedModel,
+    dtype: torch.dtype,
+    output: Path,
+    max_shard_size: int | str,
+) -> None:
+    """Check `plan` against `model` (the MoTE model on the meta device), then stream it from `checkpoints` into
+    `output`: safetensors shards in `dtype`, config.json and the first checkpoint's generation config."""
+    saved = {key: (tuple(tensor.shape), float32_kept) for key, tensor, float32_kept in saved_tensors(model)}
+    check_plan(checkpoints, plan.groups, plan.accounting["dropped"], {key: shape for key, (shape, _) in saved.items()},
+               "the MoTE model")  # fmt: skip
+    writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), dtype)
+    for key, tensor in stream_groups(checkpoints, plan.groups):
+        writer.add(key, tensor, cast=not saved[key][1])
+    writer.finish()
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    config.save_pretrained(output)
+    generation_config = checkpoints[0].folder / "generation_config.json"
+    if generation_config.is_file():
+        shutil.copy2(generation_config, output / "generation_config.json")
 
 
 # --- measuring the conversion ----------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def route_differences(model, reference_logits: torch.Tensor, inputs: dict) -> dict[str, float]:
-    """max |logits(route) - reference| for every route of `model` on `inputs` (route-homogeneous batches); for the
-    dense baseline, of its one path."""
+def measure_routes(
+    source_class: type[PreTrainedModel],
+    source: Path,
+    model_class: type[PreTrainedModel],
+    converted: Path,
+    dtype: torch.dtype,
+    inputs: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """max |logits(route) - logits(source)| on `inputs` for every route of the converted folder, in `dtype`. The source
+    model runs first, then the converted one, each layer by layer (`load_layer_by_layer`), so the memory this takes
+    does not grow with the depth."""
+    with tempfile.TemporaryDirectory(prefix="mote-verification-") as offload:
+        with quiet_libraries():  # GLM-OCR's MTP layer is not part of its class
+            reference = load_layer_by_layer(source_class, source, Path(offload) / "source", dtype=dtype)
+        expected = reference(**inputs).logits
+        del reference
+        model = load_layer_by_layer(model_class, converted, Path(offload) / "converted", dtype=dtype)
+        return largest_differences(route_logits(model, inputs), expected)
+
+
+@torch.no_grad()
+def route_logits(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The logits of every route of `model` on `inputs` (route-homogeneous batches); for the dense baseline, of its one
+    path."""
     names = model.mote_config.mote_expert_names
     if not names:
-        return {"dense": float((model(**inputs).logits.float() - reference_logits.float()).abs().max())}
-    batch_size = reference_logits.shape[0]
-    differences = {}
-    for route, name in enumerate(names):
-        task_ids = torch.full((batch_size,), route, dtype=torch.long)
-        logits = model(**inputs, task_ids=task_ids).logits
-        differences[name] = float((logits.float() - reference_logits.float()).abs().max())
-    return differences
+        return {"dense": model(**inputs).logits}
+    batch_size = inputs["input_ids"].shape[0]
+    return {
+        name: model(**inputs, task_ids=torch.full((batch_size,), route, dtype=torch.long)).logits
+        for route, name in enumerate(names)
+    }
+
+
+def largest_differences(logits: dict[str, torch.Tensor], reference: torch.Tensor) -> dict[str, float]:
+    return {name: float((value.float() - reference.float()).abs().max()) for name, value in logits.items()}
 
 
 def conversion_report(model, folder: Path, source_model_type: str, construction: str | None, accounting: dict,
@@ -431,6 +386,8 @@ def add_common_arguments(parser, default_experts: str) -> None:
     parser.add_argument("--mote-layers", type=int, nargs="+", default=None, help="decoder layers to convert (all)")
     parser.add_argument("--no-shared-expert", dest="num_shared_experts", action="store_const", const=0, default=1)
     add_dtype_argument(parser)
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="the largest output shard, which the conversion holds in memory before writing it")
     parser.add_argument("--seed", type=int, default=0, help="seeds the split partition and any new weights")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip measuring every route against the source model")

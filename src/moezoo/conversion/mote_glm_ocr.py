@@ -1,4 +1,5 @@
-"""GLM-OCR -> GLM-OCR-MoTE (spec mote.md §5.1), streaming tensor by tensor.
+"""GLM-OCR -> GLM-OCR-MoTE (spec mote.md §5.1), streamed shard by shard (`mote_common`), and verified with both models
+run layer by layer.
 
 Only the decoder FFNs change: `model.language_model.layers.{l}.mlp.{gate_up_proj,down_proj}.weight` of each converted
 layer become the experts of §5.3 (by default routed copies and a shared expert whose `down_proj` is zero, so every
@@ -19,30 +20,28 @@ from ..configuration.mote import GlmOcrMoteConfig
 from ..hub.sources import source_name
 from ..modeling.mote.glm_ocr import GlmOcrMoteForConditionalGeneration
 from ..processors.build_mote import make_glm_ocr_mote_processor
-from ..terminal import quiet_libraries
 from .common import ConversionResult, plain_config_fields, read_config, source_tokenizer
 from .cost import PlannedOutput
 from .dtypes import output_dtype
 from .mote_common import (
     GLM_FFN,
-    SafetensorsCheckpoint,
-    StateWriter,
+    MotePlan,
     add_common_arguments,
-    adopt_generation_config,
     as_experts,
     conversion_report,
+    measure_routes,
     mote_fields,
-    route_differences,
+    write_mote_checkpoint,
 )
+from .streaming import SourceCheckpoint, StreamedModel
 
 
 logger = logging.getLogger(__name__)
 
-_DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
-_DECODER_FFN = re.compile(r"mlp\.(gate_up_proj|down_proj)\.weight")
+_DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\..+")
 
 
-def convert_glm_ocr_to_mote(
+def stream_glm_ocr_to_mote(
     source: str | Path,
     experts=("ocr", "kie"),
     construction: str = "copy",
@@ -52,8 +51,10 @@ def convert_glm_ocr_to_mote(
     dtype: torch.dtype | str | None = None,
     seed: int = 0,
     verify: bool = True,
-) -> tuple[GlmOcrMoteForConditionalGeneration, dict]:
-    """Convert a GLM-OCR checkpoint folder (`model_type: glm_ocr`, safetensors) into GLM-OCR-MoTE.
+    max_shard_size: int | str = "5GB",
+) -> tuple[StreamedModel, dict]:
+    """Convert a GLM-OCR checkpoint folder (`model_type: glm_ocr`, safetensors) into GLM-OCR-MoTE, streamed shard by
+    shard into a temporary folder (the returned `StreamedModel`).
 
     Args:
         experts: expert names in route order, optionally with descriptions (`{"ocr": None, "kie": "..."}`, a list of
@@ -67,12 +68,14 @@ def convert_glm_ocr_to_mote(
         dtype: of the converted model (and of the source model the routes are measured against); default: the
             source's.
         seed: seeds the neuron partition of `split`.
-        verify: run GLM-OCR and every route on two synthetic image + text examples; the report gets the largest
-            logit difference of each route (`max_abs_diff_by_route`) and overall (`max_abs_diff`).
+        verify: run GLM-OCR and every route on two synthetic image + text examples, each model layer by layer; the
+            report gets the largest logit difference of each route (`max_abs_diff_by_route`) and overall
+            (`max_abs_diff`).
+        max_shard_size: the largest output shard (bytes or a string like `"5GB"`).
 
     Returns:
-        The model in eval mode and a report: source, licence, configuration, key accounting (copied, turned into
-        experts, dropped with the reason), parameter counts, measured differences.
+        The converted model as its folder, and a report: source, licence, configuration, key accounting (copied,
+        turned into experts, dropped with the reason), parameter counts, measured differences.
     """
     folder = Path(source)
     config, num_mtp_layers = _mote_config(folder, experts, construction, default_route, mote_layers,
@@ -80,33 +83,43 @@ def convert_glm_ocr_to_mote(
     dtype = output_dtype(dtype, folder)
     text_config = config.text_config
     num_layers = text_config.num_hidden_layers
+    with torch.device("meta"):
+        model = GlmOcrMoteForConditionalGeneration(config)
 
-    model, writer = StateWriter.for_new_model(
-        GlmOcrMoteForConditionalGeneration, config, dtype, GLM_FFN, construction, num_shared_experts, seed
-    )
-    with SafetensorsCheckpoint(folder).tensors() as tensors:
-        for key, load in tensors:
-            layer = _DECODER_LAYER.fullmatch(key)
-            layer_idx = int(layer[1]) if layer else None
-            if layer and num_layers <= layer_idx < num_layers + num_mtp_layers:
-                writer.drop(key, "the multi-token-prediction (MTP) layer: MoTE does not support MTP decoding")
-            elif layer and _DECODER_FFN.fullmatch(layer[2]) and text_config.is_mote_layer(layer_idx):
-                projection = layer[2].removeprefix("mlp.")
-                writer.add_ffn(key, f"model.language_model.layers.{layer_idx}.mlp", projection, load())
-            else:
-                writer.copy(key, key, load())
+    checkpoint = SourceCheckpoint(folder, "the GLM-OCR checkpoint")
+    plan = MotePlan(GLM_FFN, text_config, construction, seed)
     ffn_prefixes = [f"model.language_model.layers.{i}.mlp" for i in range(num_layers) if text_config.is_mote_layer(i)]
-    accounting = writer.finish({prefix: {p: f"{prefix}.{p}" for p in GLM_FFN.projections} for prefix in ffn_prefixes})
-    if accounting["dropped"]:
-        logger.info("dropped %d tensors of the MTP layer", len(accounting["dropped"]))
-    adopt_generation_config(model, folder)
-    model.eval()
+    experts_from = plan.add_ffns(
+        {prefix: {p: f"{prefix}.{p}" for p in GLM_FFN.projections} for prefix in ffn_prefixes}, checkpoint.shapes
+    )
+    for key in checkpoint.shapes:
+        layer = _DECODER_LAYER.fullmatch(key)
+        if key in experts_from:
+            continue
+        if layer and num_layers <= int(layer[1]) < num_layers + num_mtp_layers:
+            plan.drop(key, "the multi-token-prediction (MTP) layer: MoTE does not support MTP decoding")
+        else:
+            plan.copy(key, key)
+    if plan.accounting["dropped"]:
+        logger.info("dropped %d tensors of the MTP layer", len(plan.accounting["dropped"]))
+    streamed = StreamedModel(GlmOcrMoteForConditionalGeneration, "mote-conversion-")
+    write_mote_checkpoint(plan, [checkpoint], model, dtype, streamed.folder, max_shard_size)
 
-    differences = measure_routes(model, folder, dtype) if verify else None
-    report = conversion_report(model, folder, "glm_ocr", construction, accounting, differences,
+    differences = None
+    if verify:
+        differences = measure_routes(GlmOcrForConditionalGeneration, folder, GlmOcrMoteForConditionalGeneration,
+                                     streamed.folder, dtype, synthetic_inputs(config))  # fmt: skip
+    report = conversion_report(model, folder, "glm_ocr", construction, plan.accounting, differences,
                                "GLM-OCR's on two synthetic image + text examples")  # fmt: skip
     report["notes"].append("The MTP layer is dropped: MoTE does not support multi-token-prediction decoding.")
-    return model, report
+    return streamed, report
+
+
+def convert_glm_ocr_to_mote(source: str | Path, **options) -> tuple[GlmOcrMoteForConditionalGeneration, dict]:
+    """`stream_glm_ocr_to_mote`, the converted model then loaded in memory, in eval mode (for small models and tests;
+    `moezoo convert` keeps it on disk)."""
+    streamed, report = stream_glm_ocr_to_mote(source, **options)
+    return streamed.load(dtype=streamed.config.dtype), report
 
 
 def _mote_config(folder: Path, experts, construction, default_route, mote_layers,
@@ -135,17 +148,6 @@ def plan_output(source: Path, experts=("ocr", "kie"), construction: str = "copy"
     """What `convert` writes, from the source's config alone (`moezoo convert --dry-run`, the disk-space check)."""
     config, _ = _mote_config(Path(source), experts, construction, default_route, mote_layers, num_shared_experts)
     return PlannedOutput(config, (Path(source),))
-
-
-@torch.no_grad()
-def measure_routes(model: GlmOcrMoteForConditionalGeneration, folder: Path, dtype: torch.dtype) -> dict[str, float]:
-    """max |logits| difference of every route against the source GLM-OCR on synthetic inputs."""
-    with quiet_libraries():  # the source's MTP layer is not part of GlmOcrForConditionalGeneration
-        reference = GlmOcrForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).eval()
-    inputs = synthetic_inputs(model.config)
-    expected = reference(**inputs).logits
-    del reference
-    return route_differences(model, expected, inputs)
 
 
 def synthetic_inputs(config: GlmOcrMoteConfig, batch_size: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -180,9 +182,10 @@ def add_arguments(parser) -> None:
 
 
 def convert(source: Path, **options) -> ConversionResult:
-    """The converter behind the command: the model and a `GlmOcrMoteProcessor` around GLM-OCR's tokenizer (and its
-    chat template); no processor when the source has no tokenizer."""
-    model, report = convert_glm_ocr_to_mote(source, **options)
+    """The converter behind the command: the model streamed into a temporary folder (a `StreamedModel`, which `moezoo
+    convert` moves into its output) and a `GlmOcrMoteProcessor` around GLM-OCR's tokenizer (and its chat template); no
+    processor when the source has no tokenizer."""
+    model, report = stream_glm_ocr_to_mote(source, **options)
     tokenizer = source_tokenizer(Path(source))
     processor = None if tokenizer is None else make_glm_ocr_mote_processor(model.config, tokenizer)
     return ConversionResult(model, processor, report)

@@ -1,4 +1,5 @@
-"""Llama-3.2 (+ SigLIP 2) -> VideoLLM-MoTE, or Llama alone -> LlamaMote (spec mote.md §5.2), tensor by tensor.
+"""Llama-3.2 (+ SigLIP 2) -> VideoLLM-MoTE, or Llama alone -> LlamaMote (spec mote.md §5.2), streamed shard by shard
+(`mote_common`), and verified with every model run layer by layer.
 
 The decoder FFNs `model.layers.{l}.mlp.{gate,up,down}_proj.weight` of each converted layer become the experts of §5.3
 (by default routed copies and a shared expert whose `down_proj` is zero, so every route is the dense Llama exactly);
@@ -14,6 +15,7 @@ and the id of `,` (between frames) come from the Llama tokenizer unless given.
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -37,19 +39,20 @@ from .cost import PlannedOutput
 from .dtypes import output_dtype
 from .mote_common import (
     LLAMA_FFN,
-    SafetensorsCheckpoint,
-    StateWriter,
+    MotePlan,
     add_common_arguments,
-    adopt_generation_config,
     as_experts,
     conversion_report,
     dense_fields,
+    largest_differences,
+    measure_routes,
     mote_fields,
-    route_differences,
+    route_logits,
+    write_mote_checkpoint,
 )
+from .streaming import SourceCheckpoint, StreamedModel, load_layer_by_layer
 
 
-_DECODER_FFN = re.compile(r"model\.layers\.(\d+)\.mlp\.((?:gate|up|down)_proj\.weight)")
 _SIGLIP_DROPPED = re.compile(r"text_model\..*|logit_scale|logit_bias")
 # VideoLLM-online's connector (Linear, GELU, Linear) below any prefix (`base_model.model.` in its PEFT checkpoints).
 _CONNECTOR = re.compile(r"(?:.*\.)?connector\.(0|2)\.(weight|bias)")
@@ -60,7 +63,7 @@ VIDEO_TOKEN = "<|reserved_special_token_0|>"
 FRAME_SEPARATOR = ","
 
 
-def convert_llama_to_mote(
+def stream_llama_to_mote(
     llm: str | Path,
     experts=tuple(COIN_EXPERTS),
     vision: str | Path | None = None,
@@ -76,21 +79,25 @@ def convert_llama_to_mote(
     frame_token_interval_id: int | None = None,
     dense: bool = False,
     projector_from: str | Path | None = None,
-) -> tuple[LlamaMoteForCausalLM | VideoLlmMoteForConditionalGeneration, dict]:
+    max_shard_size: int | str = "5GB",
+) -> tuple[StreamedModel, dict]:
     """Convert a Llama checkpoint folder (`model_type: llama`, safetensors) into `LlamaMoteForCausalLM`, or, with
-    `vision`, a SigLIP checkpoint folder too, into `VideoLlmMoteForConditionalGeneration`.
+    `vision`, a SigLIP checkpoint folder too, into `VideoLlmMoteForConditionalGeneration`, streamed shard by shard into
+    a temporary folder (the returned `StreamedModel`).
 
     Args:
         experts / construction / default_route / mote_layers / num_shared_experts / dtype / seed: as in
-            `convert_glm_ocr_to_mote` (the dtype defaults to the Llama source's); the default experts are the five
+            `stream_glm_ocr_to_mote` (the dtype defaults to the Llama source's); the default experts are the five
             COIN routes.
         verify: run the dense Llama (and SigLIP) and every route on synthetic inputs (two video examples for
-            VideoLLM-MoTE: frames through both vision towers, then the same projector) and report the differences.
+            VideoLLM-MoTE: frames through both vision towers, then the same projector), each model layer by layer, and
+            report the differences.
         video_token / video_token_id / frame_token_interval_id: the `<v>` placeholder and the `,` between frames
             (VideoLLM-MoTE only); the ids default to the Llama tokenizer's.
         projector_from: VideoLLM-online's checkpoint, whose connector becomes the projector (default: a new one).
         dense: no task experts: every FFN stays as it is, the matched dense baseline (with `vision`, VideoLLM-online
             1B-v1+ in this class); the expert options do not apply.
+        max_shard_size: the largest output shard (bytes or a string like `"5GB"`).
     """
     folder = Path(llm)
     if projector_from is not None and vision is None:
@@ -107,42 +114,45 @@ def convert_llama_to_mote(
     else:
         model_class, prefix = VideoLlmMoteForConditionalGeneration, "model.language_model."
     text_config = config.get_text_config()
+    with torch.device("meta"):
+        model = model_class(config)
 
-    model, writer = StateWriter.for_new_model(
-        model_class, config, dtype, LLAMA_FFN, construction, num_shared_experts, seed
-    )
-    with SafetensorsCheckpoint(folder).tensors() as tensors:
-        for key, load in tensors:
-            ffn = _DECODER_FFN.fullmatch(key)
-            if ffn and text_config.is_mote_layer(int(ffn[1])):
-                writer.add_ffn(key, f"{prefix}layers.{ffn[1]}.mlp", ffn[2], load())
-            elif key == "lm_head.weight" and config.tie_word_embeddings:
-                writer.drop(key, "the LM head is tied to the token embeddings")
-            else:
-                writer.copy(key, prefix + key.removeprefix("model.") if key.startswith("model.") else key, load())
-    if vision_folder is not None:
-        with SafetensorsCheckpoint(vision_folder).tensors() as tensors:
-            for key, load in tensors:
-                if _SIGLIP_DROPPED.fullmatch(key):
-                    writer.drop(key, "SigLIP's text tower and contrastive scale/bias are not part of VideoLLM-MoTE")
-                else:
-                    writer.copy(key, "model.vision_tower." + key.removeprefix("vision_model."), load())
-        if projector_from is None:
-            _initialise_projector(writer, model, text_config.initializer_range, seed)
-        else:
-            _import_projector(writer, Path(projector_from))
-    accounting = writer.finish({
+    llama = SourceCheckpoint(folder, "the Llama checkpoint")
+    checkpoints = [llama]
+    plan = MotePlan(LLAMA_FFN, text_config, construction, seed)
+    experts_from = plan.add_ffns({
         f"{prefix}layers.{i}.mlp": {p: f"model.layers.{i}.mlp.{p}" for p in LLAMA_FFN.projections}
         for i in range(text_config.num_hidden_layers) if text_config.is_mote_layer(i)
-    })
-    adopt_generation_config(model, folder)
-    model.eval()
+    }, llama.shapes)  # fmt: skip
+    for key in llama.shapes:
+        if key in experts_from:
+            continue
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            plan.drop(key, "the LM head is tied to the token embeddings")
+        else:
+            plan.copy(key, prefix + key.removeprefix("model.") if key.startswith("model.") else key)
+    if vision_folder is not None:
+        siglip = SourceCheckpoint(vision_folder, "the SigLIP checkpoint")
+        checkpoints.append(siglip)
+        for key in siglip.shapes:
+            if _SIGLIP_DROPPED.fullmatch(key):
+                plan.drop(key, "SigLIP's text tower and contrastive scale/bias are not part of VideoLLM-MoTE")
+            else:
+                plan.copy(key, "model.vision_tower." + key.removeprefix("vision_model."))
+        if projector_from is None:
+            _initialise_projector(plan, model, text_config.initializer_range, seed)
+        else:
+            _import_projector(plan, Path(projector_from), config)
+    streamed = StreamedModel(model_class, "mote-conversion-")
+    write_mote_checkpoint(plan, checkpoints, model, dtype, streamed.folder, max_shard_size)
 
     differences = None
     if verify:
-        differences = (measure_llama_routes(model, folder, dtype) if vision_folder is None
-                       else measure_videollm_routes(model, folder, vision_folder, dtype))
-    report = conversion_report(model, folder, "llama", None if dense else construction, accounting, differences,
+        differences = (
+            measure_routes(LlamaForCausalLM, folder, model_class, streamed.folder, dtype, synthetic_text_inputs(config))
+            if vision_folder is None else measure_videollm_routes(folder, vision_folder, streamed.folder, dtype)
+        )
+    report = conversion_report(model, folder, "llama", None if dense else construction, plan.accounting, differences,
                                "the dense Llama's on synthetic inputs")  # fmt: skip
     report["vision_source"] = None if vision_folder is None else source_name(vision_folder)
     if vision_folder is not None:
@@ -154,7 +164,16 @@ def convert_llama_to_mote(
             f"{config.frame_num_tokens} x {video_token!r} (id {config.video_token_id}) separated by id "
             f"{config.frame_token_interval_id}."
         )
-    return model, report
+    return streamed, report
+
+
+def convert_llama_to_mote(
+    llm: str | Path, **options
+) -> tuple[LlamaMoteForCausalLM | VideoLlmMoteForConditionalGeneration, dict]:
+    """`stream_llama_to_mote`, the converted model then loaded in memory, in eval mode (for small models and tests;
+    `moezoo convert` keeps it on disk)."""
+    streamed, report = stream_llama_to_mote(llm, **options)
+    return streamed.load(dtype=streamed.config.dtype), report
 
 
 def _mote_config(folder: Path, experts, vision, construction, default_route, mote_layers, num_shared_experts,
@@ -227,7 +246,7 @@ def _placeholder_ids(folder: Path, video_token: str, video_token_id, frame_token
     return video_token_id, frame_token_interval_id
 
 
-def _import_projector(writer: StateWriter, source: Path) -> None:
+def _import_projector(plan: MotePlan, source: Path, config: VideoLlmMoteConfig) -> None:
     """
     VideoLLM-online's connector as the projector (spec §5.2): `connector.0` -> `linear_1`, `connector.2` -> `linear_2`,
     with a LoRA on the connector merged in (scale `lora_alpha / r` from `adapter_config.json`). `source` is
@@ -242,11 +261,11 @@ def _import_projector(writer: StateWriter, source: Path) -> None:
             weights[match[1], match[2]] = (key, tensor)
         elif match := _CONNECTOR_LORA.fullmatch(key):
             lora[match[1], match[2]] = tensor
-            writer.drop(key, f"LoRA of connector.{match[1]}, merged into its weight")
+            plan.drop(key, f"LoRA of connector.{match[1]}, merged into its weight")
         else:
-            writer.drop(key, "not the connector (VideoLLM-online's LLM adapter): MoTE starts from the base Llama")
+            plan.drop(key, "not the connector (VideoLLM-online's LLM adapter): MoTE starts from the base Llama")
     wanted = [(layer, kind) for layer in PROJECTOR_LAYERS for kind in ("weight", "bias")
-              if kind == "weight" or writer.model.config.multimodal_projector_bias]  # fmt: skip
+              if kind == "weight" or config.multimodal_projector_bias]  # fmt: skip
     missing = [f"connector.{layer}.{kind}" for layer, kind in wanted if (layer, kind) not in weights]
     if missing:
         raise ValueError(
@@ -261,7 +280,7 @@ def _import_projector(writer: StateWriter, source: Path) -> None:
         key, tensor = weights[layer, kind]
         if kind == "weight" and (layer, "A") in lora:
             tensor = tensor + scale * (lora[layer, "B"].float() @ lora[layer, "A"].float()).to(tensor.dtype)
-        writer.copy(key, f"model.multi_modal_projector.{PROJECTOR_LAYERS[layer]}.{kind}", tensor)
+        plan.copy_tensor(key, f"model.multi_modal_projector.{PROJECTOR_LAYERS[layer]}.{kind}", tensor)
 
 
 def _read_projector_checkpoint(source: Path) -> dict[str, torch.Tensor]:
@@ -283,52 +302,55 @@ def _lora_scale(source: Path) -> float:
     return config["lora_alpha"] / config["r"]
 
 
-def _initialise_projector(writer: StateWriter, model, std: float, seed: int) -> None:
+def _initialise_projector(plan: MotePlan, model: VideoLlmMoteForConditionalGeneration, std: float, seed: int) -> None:
     """The projector has no source (spec §5.2): N(0, std) weights and zero biases, from `seed`."""
     generator = torch.Generator().manual_seed(seed)
-    reason = f"new: N(0, {std}) weights, zero biases, seed {seed}"
-    for name, parameter in model.model.multi_modal_projector.named_parameters():
-        if name.endswith("bias"):
-            value = torch.zeros(parameter.shape)
-        else:
-            value = torch.randn(parameter.shape, generator=generator) * std
-        writer.initialise(f"model.multi_modal_projector.{name}", value, reason)
+    tensors = {
+        f"model.multi_modal_projector.{name}": (
+            torch.zeros(parameter.shape) if name.endswith("bias")
+            else torch.randn(parameter.shape, generator=generator) * std
+        )
+        for name, parameter in model.model.multi_modal_projector.named_parameters()
+    }
+    plan.initialise(tensors, f"new: N(0, {std}) weights, zero biases, seed {seed}")
 
 
 # --- measuring the conversion ------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def measure_llama_routes(model: LlamaMoteForCausalLM, folder: Path, dtype: torch.dtype) -> dict[str, float]:
-    with quiet_libraries():
-        reference = LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
-    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    expected = reference(**inputs).logits
-    return route_differences(model, expected, inputs)
+def synthetic_text_inputs(config: LlamaMoteConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two examples of 8 random tokens."""
+    input_ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
 @torch.no_grad()
-def measure_videollm_routes(
-    model: VideoLlmMoteForConditionalGeneration, llm: Path, vision: Path, dtype: torch.dtype
-) -> dict[str, float]:
+def measure_videollm_routes(llm: Path, vision: Path, converted: Path, dtype: torch.dtype) -> dict[str, float]:
     """Two examples with two frames each. The reference runs the source SigLIP, the (shared, new) projector and the
-    dense Llama on embeddings; `"vision_tower"` is the difference of the frame tokens."""
-    config = model.config
-    with quiet_libraries():  # the vision tower of a dual encoder: the text tower's keys are unexpected
-        reference_llm = LlamaForCausalLM.from_pretrained(str(llm), dtype=dtype).eval()
-        reference_vision = SiglipVisionModel.from_pretrained(str(vision), dtype=dtype).eval()
+    dense Llama on embeddings; `"vision_tower"` is the difference of the frame tokens. The three models run layer by
+    layer (`load_layer_by_layer`), one after the other: the source SigLIP, the converted model (which also gives the
+    projector of the source's frame tokens), the dense Llama."""
+    config = VideoLlmMoteConfig.from_pretrained(converted)
     inputs = synthetic_video_inputs(config)
-    frames = reference_vision(pixel_values=inputs["pixel_values_videos"].to(dtype))
-    reference_tokens = model.model.frame_tokens(frames.last_hidden_state, frames.pooler_output)
-    tokens = torch.cat(model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output)
-    embeds = reference_llm.get_input_embeddings()(inputs["input_ids"])
-    video_embeds = model.model.multi_modal_projector(reference_tokens.flatten(0, 1))
-    embeds = embeds.masked_scatter((inputs["input_ids"] == config.video_token_id)[..., None], video_embeds)
-    expected = reference_llm(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
-    differences = route_differences(model, expected, inputs)
-    differences["vision_tower"] = float((tokens - reference_tokens.flatten(0, 1)).abs().max())
+    with tempfile.TemporaryDirectory(prefix="mote-verification-") as offload:
+        with quiet_libraries():  # the vision tower of a dual encoder: the text tower's keys are unexpected
+            reference_vision = load_layer_by_layer(SiglipVisionModel, vision, Path(offload) / "vision", dtype=dtype)
+        frames = reference_vision(pixel_values=inputs["pixel_values_videos"].to(dtype))
+        del reference_vision
+        model = load_layer_by_layer(VideoLlmMoteForConditionalGeneration, converted, Path(offload) / "converted",
+                                    dtype=dtype)  # fmt: skip
+        reference_tokens = model.model.frame_tokens(frames.last_hidden_state, frames.pooler_output).flatten(0, 1)
+        tokens = torch.cat(model.model.get_video_features(inputs["pixel_values_videos"]).pooler_output)
+        video_embeds = model.model.multi_modal_projector(reference_tokens)
+        logits = route_logits(model, inputs)
+        del model
+        with quiet_libraries():
+            reference_llm = load_layer_by_layer(LlamaForCausalLM, llm, Path(offload) / "llm", dtype=dtype)
+        embeds = reference_llm.get_input_embeddings()(inputs["input_ids"])
+        embeds = embeds.masked_scatter((inputs["input_ids"] == config.video_token_id)[..., None], video_embeds)
+        expected = reference_llm(inputs_embeds=embeds, attention_mask=inputs["attention_mask"]).logits
+    differences = largest_differences(logits, expected)
+    differences["vision_tower"] = float((tokens - reference_tokens).abs().max())
     return differences
 
 
@@ -372,10 +394,11 @@ def add_arguments(parser) -> None:
 
 
 def convert(source: Path, **options) -> ConversionResult:
-    """The converter behind the command: the model with the Llama tokenizer (and its chat template), inside a
+    """The converter behind the command: the model streamed into a temporary folder (a `StreamedModel`, which `moezoo
+    convert` moves into its output) with the Llama tokenizer (and its chat template), inside a
     `VideoLlmMoteProcessor` for VideoLLM-MoTE; nothing beside the model when the source has no tokenizer."""
-    model, report = convert_llama_to_mote(source, **options)
+    model, report = stream_llama_to_mote(source, **options)
     tokenizer = source_tokenizer(Path(source))
-    if tokenizer is not None and isinstance(model, VideoLlmMoteForConditionalGeneration):
+    if tokenizer is not None and model.model_class is VideoLlmMoteForConditionalGeneration:
         return ConversionResult(model, make_videollm_mote_processor(model.config, tokenizer), report)
     return ConversionResult(model, tokenizer, report)

@@ -18,7 +18,8 @@ fusion output scale set to the mean row RMS of `embed_tokens` (spec D15), and th
 conversion the model is the LLaVA-style composition of the sources (invariants C1-C3 of spec §5.3).
 
 Memory: sources are read shard by shard and the output written shard by shard; the plan is checked on the `meta`
-device from the shard headers before any data is read (`moezoo.conversion.streaming`).
+device from the shard headers before any data is read (`moezoo.conversion.streaming`). The verification runs the
+sources and the converted model one after the other, each layer by layer (`streaming.load_layer_by_layer`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,20 @@ from ..configuration.omnimoe_vl import OmniMoeVlConfig
 from ..modeling.omnimoe_vl import OmniMoeVlForConditionalGeneration
 from ..processors.build_omnimoe_vl import conversion_processor
 from ..processors.qwen_tokens import IMAGE_TOKEN, VISION_END, VISION_START
+from ..terminal import quiet_libraries
 from .common import ConversionResult, local_source, option_name, source_tokenizer
 from .cost import PlannedOutput
 from .dtypes import add_dtype_argument, output_dtype
-from .streaming import ShardWriter, SourceCheckpoint, TensorGroup, check_plan, copy_as, stream_groups
+from .streaming import (
+    ShardWriter,
+    SourceCheckpoint,
+    StreamedModel,
+    TensorGroup,
+    check_plan,
+    copy_as,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
 TEXT_SOURCE_TYPES = ("qwen3",)
@@ -438,47 +449,54 @@ def _new_projector(config: OmniMoeVlConfig, seed: int):
 
 @torch.no_grad()
 def measure_differences(
-    text_source: str | Path, vision_source: str | Path, converted: OmniMoeVlForConditionalGeneration, seed: int = 0
+    text_source: str | Path, vision_source: str | Path, converted: str | Path, seed: int = 0
 ) -> dict[str, float]:
     """Invariants C1 and C2 of spec §5.3, in fp32 with eager experts: text-only logits against `Qwen3ForCausalLM`, and
-    the visual streams against the source tower's hidden states at the taps. `converted` must be in fp32."""
-    config = converted.config
+    the visual streams against the source tower's hidden states at the taps. The sources and the converted folder run
+    one after the other, each layer by layer (`load_layer_by_layer`), so the memory this takes does not grow with the
+    depth."""
+    config = OmniMoeVlConfig.from_pretrained(converted)
     generator = torch.Generator().manual_seed(seed)
-    reference_text = Qwen3ForCausalLM.from_pretrained(text_source, dtype=torch.float32).eval()
-    previous = {"": config._experts_implementation, "text_config": config.text_config._experts_implementation,
-                "vision_config": config.vision_config._experts_implementation}
-    converted.set_experts_implementation("eager")
     vocab_size = min(config.text_config.vocab_size, config.image_token_id)  # text tokens only
     input_ids = torch.randint(0, vocab_size, (2, 12), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :3] = 0  # left padding
     real = attention_mask.bool()
-    expected = reference_text(input_ids=input_ids, attention_mask=attention_mask).logits
-    got = converted(input_ids=input_ids, attention_mask=attention_mask).logits
-    differences = {"text_logits": float((got[real] - expected[real]).abs().max())}
-
     vision = config.vision_config
     pixel_values = torch.randn(2, vision.num_channels, vision.image_size, vision.image_size, generator=generator)
-    streams = converted.model.visual_streams(converted.model.get_image_features(pixel_values))
-    reference_streams = _source_vision_streams(Path(vision_source), pixel_values, config)
-    differences["vision_streams"] = float((streams - reference_streams).abs().max())
-    converted.set_experts_implementation(previous)
-    return differences
+    with tempfile.TemporaryDirectory(prefix="omnimoe-vl-verification-") as offload:
+        reference_text = load_layer_by_layer(Qwen3ForCausalLM, text_source, Path(offload) / "text",
+                                             dtype=torch.float32)  # fmt: skip
+        expected = reference_text(input_ids=input_ids, attention_mask=attention_mask).logits
+        del reference_text
+        reference_streams = _source_vision_streams(Path(vision_source), pixel_values, config, Path(offload) / "vision")
+        model = load_layer_by_layer(OmniMoeVlForConditionalGeneration, converted, Path(offload) / "converted",
+                                    dtype=torch.float32)  # fmt: skip
+        model.set_experts_implementation("eager")
+        got = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        streams = model.model.visual_streams(model.model.get_image_features(pixel_values))
+    return {
+        "text_logits": float((got[real] - expected[real]).abs().max()),
+        "vision_streams": float((streams - reference_streams).abs().max()),
+    }
 
 
-def _source_vision_streams(folder: Path, pixel_values: torch.Tensor, config: OmniMoeVlConfig) -> torch.Tensor:
-    """The source tower's hidden states at the taps (B, S, N, d_V): SigLIP on the image, SigLIP2 on its patches."""
+def _source_vision_streams(folder: Path, pixel_values: torch.Tensor, config: OmniMoeVlConfig, offload: Path
+                           ) -> torch.Tensor:  # fmt: skip
+    """The source tower's hidden states at the taps (B, S, N, d_V): SigLIP on the image, SigLIP2 on its patches; the
+    tower runs layer by layer, its weights offloaded under `offload`."""
     model_type = SourceCheckpoint(folder, "the vision source").model_type
     taps = config.vision_feature_layers
     if model_type.startswith("siglip2"):
         from transformers import Siglip2VisionModel
 
-        model = Siglip2VisionModel.from_pretrained(folder, dtype=torch.float32).eval()
+        model = load_layer_by_layer(Siglip2VisionModel, folder, offload, dtype=torch.float32)
         patches, mask, shapes = naflex_patches(pixel_values, config.vision_config.patch_size)
         outputs = model(pixel_values=patches, pixel_attention_mask=mask, spatial_shapes=shapes,
                         output_hidden_states=True)
     else:
-        model = SiglipVisionModel.from_pretrained(folder, dtype=torch.float32).eval()
+        with quiet_libraries():  # the vision tower of a dual encoder: the text tower's keys are unexpected
+            model = load_layer_by_layer(SiglipVisionModel, folder, offload, dtype=torch.float32)
         outputs = model(pixel_values=pixel_values, output_hidden_states=True)
     return torch.stack([outputs.hidden_states[index] for index in taps], dim=1)
 
@@ -530,18 +548,17 @@ def _projector_option(text: str) -> tuple[str, object]:
 
 
 def convert(source: Path, vision: str | Path, verify: bool = True, **options) -> ConversionResult:
-    """The converter behind the command: stream into a temporary folder, load the result in fp32, and measure it
-    against the sources."""
+    """The converter behind the command: stream the conversion into a temporary folder (the result's `StreamedModel`,
+    which `moezoo convert` moves into its output) and measure it against the sources, each model run layer by
+    layer."""
     vision_source = local_source(vision)
     if isinstance(options.get("projector"), list):  # the command's repeated --projector FIELD=VALUE
         options["projector"] = dict(options["projector"])
-    with tempfile.TemporaryDirectory(prefix="omnimoe-vl-conversion-") as folder:
-        report = convert_omnimoe_vl_checkpoints(source, vision_source, folder, **options)
-        model = OmniMoeVlForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = StreamedModel(OmniMoeVlForConditionalGeneration, "omnimoe-vl-conversion-")
+    report = convert_omnimoe_vl_checkpoints(source, vision_source, model.folder, **options)
     # Before the measurement: a tokenizer that does not fit the config fails fast.
     processor = conversion_processor(model.config, Path(source), Path(vision_source))
-    differences = measure_differences(source, vision_source, model) if verify else None
-    model.to(getattr(torch, report["dtype"]))
+    differences = measure_differences(source, vision_source, model.folder) if verify else None
     report |= {
         "base_model": str(source),
         "max_abs_diff": None if differences is None else max(differences.values()),
@@ -552,4 +569,3 @@ def convert(source: Path, vision: str | Path, verify: bool = True, **options) ->
         ],
     }
     return ConversionResult(model=model, processor=processor, provenance=report)
-

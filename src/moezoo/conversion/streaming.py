@@ -99,11 +99,12 @@ def check_plan(
                 produced[key] = tuple(tensor.shape)
         unexpected = sorted(set(produced) - set(expected))
         if unexpected:
-            problems.append(f"tensors {target} does not have: {listing(unexpected)}")
+            problems.append(f"tensors {target} does not have: {listing(unexpected)} (the sources hold these "
+                            "unexpected ones: another architecture, or a config.json that does not match its weights)")
         missing = sorted(set(expected) - set(produced))
         if missing:
             problems.append(f"{target} tensors the sources do not give: {listing(missing)}")
-        mismatched = [f"{key}: sources give {produced[key]}, {target} has {shape}"
+        mismatched = [f"{key} has shape {produced[key]} from the sources but {shape} in {target}"
                       for key, shape in expected.items() if key in produced and produced[key] != shape]
         if mismatched:
             problems.append(f"shape mismatches (a config.json disagrees with its weights): {listing(mismatched)}")
@@ -146,6 +147,7 @@ class ShardWriter:
         self.folder, self.max_shard_size, self.dtype = folder, max_shard_size, dtype
         self.shards: list[list[str]] = []
         self.current: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()  # of the tensors in `current`
         self.current_size = 0
         self.total_size = 0
         self.num_tensors = 0
@@ -158,7 +160,13 @@ class ShardWriter:
         size = tensor.numel() * tensor.element_size()
         if self.current and self.current_size + size > self.max_shard_size:
             self._flush()
-        self.current[key] = tensor.contiguous()
+        tensor = tensor.contiguous()
+        # safetensors refuses tensors that share memory: one source tensor may be written under several names (the
+        # copies of a dense FFN that become experts)
+        if tensor.untyped_storage().data_ptr() in self._storages:
+            tensor = tensor.clone()
+        self._storages.add(tensor.untyped_storage().data_ptr())
+        self.current[key] = tensor
         self.current_size += size
         self.total_size += size
         self.num_tensors += 1
@@ -167,6 +175,7 @@ class ShardWriter:
         save_file(self.current, self.folder / f"shard-{len(self.shards)}.tmp", metadata={"format": "pt"})
         self.shards.append(list(self.current))
         self.current, self.current_size = {}, 0
+        self._storages.clear()
 
     def finish(self) -> None:
         if self.current:
@@ -209,6 +218,7 @@ class StreamedModel:
         return self.model_class.from_pretrained(self.folder, **kwargs).eval()
 
     def save_pretrained(self, folder: str | Path) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)  # as transformers' save_pretrained does
         for path in self.folder.iterdir():
             shutil.move(path, Path(folder) / path.name)
 
