@@ -22,8 +22,8 @@ from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
 ROUTING_STATISTICS = ("experts/load_max_over_mean", "experts/load_entropy", "experts/unused_share")
-# Each train command on the MoE core: its tiny preset and the data format it reads.
-COMMANDS = {"moe_vie": "tiny-moe_vie", "moemb": "tiny-moemb", "omnimoe_vl": "tiny-omnimoe_vl"}
+# Each train command whose routing is counted: its tiny preset.
+COMMANDS = {"moe_vie": "tiny-moe_vie", "moemb": "tiny-moemb", "omnimoe_vl": "tiny-omnimoe_vl", "smoes": "tiny-smoes"}
 
 
 def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -50,7 +50,7 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
     vqa.write_text("".join(json.dumps({"image": row["image"], "question": "what is it?", "answer": row["text"]}) + "\n"
                            for row in map(json.loads, captions.read_text().splitlines())))  # fmt: skip
     pairs = ShapeRetrieval().write_mmeb_training(root / "pairs", 4, torch.Generator().manual_seed(0))
-    data = {"moe_vie": captions, "moemb": pairs, "omnimoe_vl": vqa}
+    data = {"moe_vie": captions, "moemb": pairs, "omnimoe_vl": vqa, "smoes": captions}
     return {
         name: ["--model", create_from_preset(preset, root / name), "--data", data[name]]
         for name, preset in COMMANDS.items()

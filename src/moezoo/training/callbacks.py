@@ -74,8 +74,8 @@ class LogsStepMeans:
 class LogsRoutingStatistics(LogsStepMeans):
     """A `Trainer` mixin (placed before `Trainer`) for models built on the MoE core: every training log adds how the
     training forwards since the previous log spread their tokens over the experts, so that the trackers of
-    `--report_to` and `trainer.state.log_history` show the balance of the routing while it trains (MoE-ViE's and
-    MoEMB's heatmap PNG at the end of a run shows it per layer and expert):
+    `--report_to` and `trainer.state.log_history` show the balance of the routing while it trains (the routing
+    heatmap PNG of MoE-ViE, MoEMB and SMoES at the end of a run shows it per layer and expert):
 
     - `experts/load_max_over_mean`: the busiest expert's assignments over the mean per expert (1: balanced);
     - `experts/load_entropy`: the entropy of the share of assignments per expert over its largest value, log(E)
@@ -106,7 +106,13 @@ class LogsRoutingStatistics(LogsStepMeans):
         with record_routing(model) as statistics:
             yield
         for layer, counts in statistics.counts.items():
-            self._assignments[layer] = self._assignments.get(layer, 0) + counts.sum(dim=0)
+            self.count_assignments(layer, counts.sum(dim=0))
+
+    def count_assignments(self, layer: str, counts: torch.Tensor) -> None:
+        """Adds one MoE layer's assignments per expert `(num_experts,)` to those of the next log: for the layers that
+        are not the core's `SparseMoeBlock`, which `training_step` counts itself (the SMoES hosts' transformers
+        blocks)."""
+        self._assignments[layer] = self._assignments.get(layer, 0) + counts.detach().cpu()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._assignments:  # a training log (not evaluation's, nor the summary at the end)

@@ -55,7 +55,7 @@ from .arguments import (
     trainer_options,
     training_arguments,
 )
-from .callbacks import LogAtCheckpointsAndEnd, LogsStepMeans, use_rich_progress, write_tensorboard_into
+from .callbacks import LogAtCheckpointsAndEnd, LogsRoutingStatistics, use_rich_progress, write_tensorboard_into
 from .data import load_image_text_dataset
 from .adapted_sharding import load_adapted_for_training, unsharded_copy
 from .distributed import check_enough_examples, main_process_output_dir
@@ -180,12 +180,13 @@ class SmoesCollator:
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
 
-class SmoesLoss(LogsStepMeans):
+class SmoesLoss(LogsRoutingStatistics):
     """
     A `Trainer` mixin (placed before the trainer class) whose loss is the model's own, which holds the SMoES terms. It
     logs beside the loss the weighted SMoES loss (`aux_loss`), the bin-level balance loss (`smoes_bal_loss`), minus the
     inter-bin mutual information (`smoes_mi_loss`) and each MoE layer's mutual information in nats
-    (`smoes/mi_layer_<l>`), their means since the previous log.
+    (`smoes/mi_layer_<l>`), their means since the previous log, and the load of the experts (`LogsRoutingStatistics`)
+    from the top-k of the router logits.
 
     The loss of a micro-batch is its own mean (the SMoES terms are per micro-batch), and the Trainer divides it by the
     accumulation steps.
@@ -202,6 +203,11 @@ class SmoesLoss(LogsStepMeans):
                 self.record_step_value(name, getattr(outputs, name))
             for layer, information in enumerate(outputs.smoes_mi):
                 self.record_step_value(f"smoes/mi_layer_{layer}", information)
+            text_config = self.accelerator.unwrap_model(model).config.text_config
+            # Every row, padding included: the host's transformers blocks route padding tokens to experts too.
+            for layer, logits in enumerate(outputs.router_logits):
+                chosen = logits.topk(text_config.num_experts_per_tok, dim=-1).indices
+                self.count_assignments(f"layer {layer}", torch.bincount(chosen.flatten(), minlength=logits.shape[-1]))
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
