@@ -6,7 +6,8 @@ fp32 (router logits of the zoo's routers and of the SMoES hosts' transformers ro
 OmniMoE-VL's depth scores and participation gate, MoEMB's trained gates; balancing and SMoES terms, OmniMoE-VL's
 depth route and route objectives, contrastive logits), the training loss is within bf16's tolerance of
 fp32's on the same batch, and gradients reach the same parameters. Loaded in bf16 (`dtype=torch.bfloat16`, a recipe's
-`dtype="bfloat16"`), the fp32 buffers stay fp32; a folder trained in bf16 is saved and loads back in bf16.
+`dtype="bfloat16"`), the fp32 buffers stay fp32. Every train recipe run through its Trainer with `--bf16 --dtype
+bfloat16` (`RECIPE_RUNS`) trains under autocast, saves a bf16 folder but for its fp32 buffers and loads it back in bf16.
 
 The loss tolerance: bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3). The tiny models' losses go through
 2-4 blocks of rounded matmuls whose errors add up like a random walk, while the routers, in fp32, pick the same
@@ -15,18 +16,25 @@ router logits or bf16 contrastive logits at a logit scale of 50-100 is off by mo
 """
 
 import copy
+import json
+import math
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from safetensors import safe_open
 
 import moezoo  # noqa: F401  (fills the catalogue)
+from moezoo.configuration.smoes_settings import SmoesSettings
 from moezoo.modeling.moe.router import TopKRouter
 from moezoo.modeling.moemb_adaptive.gates import EfficiencyHead, LayerSkipGate, NullRouter, TokenPruner
 from moezoo.modeling.omnimoe_vl_projector import OmniMoeVlDepthScore, OmniMoeVlQuerySynthesis
 from moezoo.modeling.smoes.common import Fp32RouterMixin
 from moezoo.registry import get_architecture
+from moezoo.training import moe_vie, moemb, moemb_grpo, mote, omnimoe_vl, smoes
+from moezoo.training.arguments import mirrored_fields
+from moezoo.training.moemb_adaptive import AdaptiveRecipeOptions
 from moezoo.zoo import create_from_preset
 
 from test_moemb_grpo import batch, model  # noqa: F401  (fixtures, used by the GRPO test)
@@ -34,7 +42,7 @@ from test_moemb_trained_gates import inputs  # noqa: F401  (a fixture, used by t
 
 BF16_LOSS_RTOL = 2e-2
 
-PRESETS = ("tiny-moe_vie", "tiny-moemb", "tiny-mote-llama", "tiny-omnimoe_vl", "tiny-smoes",
+PRESETS = ("tiny-moe_vie", "tiny-moemb", "tiny-mote-llama", "tiny-mote", "tiny-omnimoe_vl", "tiny-smoes",
            "tiny-smoes-qwen3-vl-moe")  # fmt: skip
 
 
@@ -64,6 +72,25 @@ def shapes_examples(count: int):
     return ColouredShapes(image_size=16).image_text_dataset(count, torch.Generator().manual_seed(0))
 
 
+def mmeb_pairs():
+    from moezoo.training.moemb_synthetic import ShapeRetrieval
+
+    return ShapeRetrieval().training_dataset(4, torch.Generator().manual_seed(0))
+
+
+def procedure_clips():
+    from moezoo.training.mote_synthetic import ProcedureVideos
+
+    return ProcedureVideos().dataset({"step": 2, "next": 2}, torch.Generator().manual_seed(0))
+
+
+def vqa_examples():
+    from datasets import Dataset
+    from test_omnimoe_vl_training import examples
+
+    return Dataset.from_list(examples(4))
+
+
 def moe_vie_step(model, folder):
     from moezoo.processors.moe_vie import MoeVieProcessor
     from moezoo.training.moe_vie import ImageTextCollator
@@ -76,9 +103,8 @@ def moe_vie_step(model, folder):
 def moemb_step(model, folder, smoes: bool = False):
     from moezoo.processors.moemb import MoEmbProcessor
     from moezoo.training.moemb import MoEmbCollator, info_nce_loss, load_mmeb_dataset
-    from moezoo.training.moemb_synthetic import ShapeRetrieval
 
-    data = load_mmeb_dataset(ShapeRetrieval().training_dataset(4, torch.Generator().manual_seed(0)))
+    data = load_mmeb_dataset(mmeb_pairs())
     batch = MoEmbCollator(MoEmbProcessor.from_pretrained(folder))([data[i] for i in range(4)])
     queries, targets = model(**batch["query"][0]), model(**batch["target"][0])
     loss = info_nce_loss(queries.embeddings, targets.embeddings, model.config.logit_scale)
@@ -119,7 +145,6 @@ def smoes_step(model, folder):
 
 
 def with_zoo_smoes(model):
-    from moezoo.configuration.smoes_settings import SmoesSettings
     from moezoo.modeling.smoes.zoo import enable_smoes
 
     model.config.router_trainable = True
@@ -132,6 +157,7 @@ CASES = {
     "moemb": ("tiny-moemb", moemb_step, None),
     "moemb --smoes": ("tiny-moemb", lambda model, folder: moemb_step(model, folder, smoes=True), with_zoo_smoes),
     "mote": ("tiny-mote-llama", mote_step, None),
+    "mote videollm": ("tiny-mote", mote_step, None),  # what `moezoo train mote` trains
     "omnimoe_vl": ("tiny-omnimoe_vl", omnimoe_vl_step, None),
     "omnimoe_vl --smoes": ("tiny-omnimoe_vl", omnimoe_vl_step, with_zoo_smoes),
     "smoes qwen3.5-moe": ("tiny-smoes", smoes_step, None),
@@ -142,6 +168,11 @@ CASES = {
 # The modules whose output is (first) the logits of a routing decision: the zoo's and the SMoES hosts' routers,
 # OmniMoE-VL's depth scores, MoEMB's trained gates (efficiency heads, null routers, layer-skip gates, token pruner).
 GATES = (TopKRouter, Fp32RouterMixin, OmniMoeVlDepthScore, EfficiencyHead, NullRouter, LayerSkipGate, TokenPruner)
+
+
+def routed(case: str) -> bool:
+    """Whether the model of `case` has gates: MoTE routes by task id, with no router."""
+    return not case.startswith("mote")
 
 
 @contextmanager
@@ -203,8 +234,7 @@ def steps(folders):
 @pytest.mark.parametrize("case", list(CASES))
 def test_under_bf16_autocast_the_fp32_quantities_stay_fp32(steps, case):
     _, watched, dtypes, _ = steps[case, "bf16"]
-    routed = case != "mote"  # MoTE routes by task id: no router
-    assert dtypes or not routed
+    assert dtypes or not routed(case)
     assert set(dtypes) <= {torch.float32}, dtypes
     for name, tensor in watched.items():
         if tensor is not None:
@@ -254,44 +284,145 @@ def test_loaded_in_bf16_the_fp32_buffers_stay_fp32(folders, preset):
     assert all(dict(model.named_buffers())[name].dtype == torch.float32 for name in kept)
 
 
-# --- a recipe run through the Trainer: autocast, bf16 weights, the saved folder -------------------------------------
+# --- every train recipe run through its Trainer: autocast, bf16 weights, the saved folder ---------------------------
 
 
-def test_a_recipe_trained_in_bf16_runs_under_autocast_saves_bf16_and_loads_back(folders, tmp_path, monkeypatch):
-    from moezoo.training import moe_vie
+def bf16_run(options_class, **fields):
+    """`options_class` for a run of 2 steps of batch 2 with `--bf16 --dtype bfloat16`, `--bf16` put where the command
+    line puts it (`trainer_options`): in the options that hold it themselves (MoEMB's), else in `training_args`."""
+    bf16 = {"bf16": True} if "bf16" in mirrored_fields(options_class) else {"training_args": {"bf16": True}}
+    return options_class(steps=2, batch_size=2, logging_steps=1, dtype="bfloat16", **bf16, **fields)
 
-    dataset = shapes_examples(8)
-    seen = []
-    original = moe_vie.MoeVieTrainer.compute_loss
 
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        def record(module, args, output):
-            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), output[0].dtype))
+# Every train recipe (one of MoEMB's adaptive recipes): the case of `CASES` whose preset it trains and whose forward
+# checks the folder it writes, the Trainer class it runs, and the run, given the model folder and the output folder.
+RECIPE_RUNS = {
+    "moe_vie": ("moe_vie", moe_vie.MoeVieTrainer, lambda model, out: moe_vie.train_moe_vie(
+        model, shapes_examples(4), out, bf16_run(moe_vie.MoeVieTrainingOptions))),
+    "moemb": ("moemb", moemb.MoEmbTrainer, lambda model, out: moemb.train_moemb(
+        model, mmeb_pairs(), out, bf16_run(moemb.MoEmbTrainingOptions))),
+    "moemb --smoes": ("moemb --smoes", moemb.MoEmbTrainer, lambda model, out: moemb.train_moemb(
+        model, mmeb_pairs(), out, bf16_run(moemb.MoEmbTrainingOptions, smoes=SmoesSettings()))),
+    "moemb --grpo": ("moemb", moemb_grpo.GatePolicyGRPOTrainer, lambda model, out: moemb_grpo.train_moemb_grpo(
+        model, mmeb_pairs(), out, bf16_run(moemb_grpo.GrpoOptions, rollouts=2, execution="masked"))),
+    "moemb --adaptive-recipe token_pruner": ("moemb", moemb.MoEmbTrainer, lambda model, out: moemb.train_moemb(
+        model, mmeb_pairs(), out, bf16_run(moemb.MoEmbTrainingOptions,
+                                           adaptive=AdaptiveRecipeOptions(recipe="token_pruner")))),
+    "mote --lora-r 2": ("mote videollm", mote.MoteTrainer, lambda model, out: mote.train_mote(
+        model, procedure_clips(), out, bf16_run(mote.MoteTrainingOptions, lora_r=2))),
+    "mote": ("mote videollm", mote.MoteTrainer, lambda model, out: mote.train_mote(
+        model, procedure_clips(), out, bf16_run(mote.MoteTrainingOptions))),
+    "omnimoe_vl": ("omnimoe_vl", omnimoe_vl.OmniMoeVlTrainer, lambda model, out: omnimoe_vl.train_omnimoe_vl(
+        model, vqa_examples(), out, bf16_run(omnimoe_vl.OmniMoeVlTrainingOptions))),
+    "omnimoe_vl --smoes": ("omnimoe_vl --smoes", omnimoe_vl.OmniMoeVlTrainer, lambda model, out:
+        omnimoe_vl.train_omnimoe_vl(model, vqa_examples(), out, bf16_run(
+            omnimoe_vl.OmniMoeVlTrainingOptions, stage="II", smoes=SmoesSettings()))),  # Stage I freezes the routers
+    "smoes qwen3.5-moe": ("smoes qwen3.5-moe", smoes.SmoesTrainer, lambda model, out: smoes.train_smoes(
+        model, shapes_examples(4), out, bf16_run(smoes.SmoesTrainingOptions))),
+    "smoes qwen3-vl-moe": ("smoes qwen3-vl-moe", smoes.SmoesTrainer, lambda model, out: smoes.train_smoes(
+        model, shapes_examples(4), out, bf16_run(smoes.SmoesTrainingOptions))),
+}  # fmt: skip
 
-        handles = [module.register_forward_hook(record) for module in model.modules() if isinstance(module, TopKRouter)]
+
+@dataclass
+class TrainingStepRecord:
+    """What the forwards of a run's training steps saw: the autocast state (enabled, dtype) of each module's forward,
+    the dtype of every gate's logits (`recorded_gate_logit_dtypes`), and each step's loss."""
+
+    autocast: list[tuple[bool, torch.dtype]] = field(default_factory=list)
+    gate_logits: list[torch.dtype] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def record_training_steps(monkeypatch, trainer_class) -> TrainingStepRecord:
+    """Records the training steps of `trainer_class`'s runs (`TrainingStepRecord`). The autocast state is read as the
+    outermost forwards below the model's own begin: the Trainer's mixed precision wraps the forward of the model it is
+    given (accelerate's `prepare_model`), outside which that model's own hooks run, and the fp32 islands inside turn
+    autocast off for the modules they call."""
+    record, original = TrainingStepRecord(), trainer_class.training_step
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        depth = 0
+
+        def entered(module, args):
+            nonlocal depth
+            if depth == 0:
+                record.autocast.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            depth += 1
+
+        def left(module, args, output):
+            nonlocal depth
+            depth -= 1
+
+        handles = []
+        for name, module in model.named_modules():
+            if name:
+                handles += [module.register_forward_pre_hook(entered), module.register_forward_hook(left)]
         try:
-            return original(self, model, inputs, *args, **kwargs)
+            with recorded_gate_logit_dtypes(model) as dtypes:
+                loss = original(self, model, inputs, *args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
+        record.gate_logits.extend(dtypes)
+        record.losses.append(loss.item())
+        return loss
 
-    monkeypatch.setattr(moe_vie.MoeVieTrainer, "compute_loss", compute_loss)
-    folder = folders["tiny-moe_vie"]
+    monkeypatch.setattr(trainer_class, "training_step", training_step)
+    return record
+
+
+def bf16_model_gate_logit_dtypes(case: str) -> set[torch.dtype]:
+    """The dtypes of the gate logits of `case`'s model loaded in bf16, under autocast: fp32 for the zoo's gates, while
+    the SMoES hosts' transformers routers compute theirs in the weights' dtype as transformers does (their softmax is
+    fp32; `Fp32RouterMixin`); MoTE has no gates."""
+    if not routed(case):
+        return set()
+    return {torch.bfloat16} if case.startswith("smoes") else {torch.float32}
+
+
+def saved_dtypes(folder) -> dict[str, str]:
+    """The dtype of each tensor of `folder`'s weights, as safetensors names it ("BF16", "F32", "I64", ...)."""
+    with safe_open(folder / "model.safetensors", "pt") as saved:
+        return {key: saved.get_slice(key).get_dtype() for key in saved.keys()}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPE_RUNS))
+def test_a_recipe_trained_in_bf16_runs_under_autocast_saves_bf16_and_loads_back(recipe, folders, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    case, trainer_class, train = RECIPE_RUNS[recipe]
+    preset, step, _ = CASES[case]
+    steps = record_training_steps(monkeypatch, trainer_class)
+    train(folders[preset], tmp_path / "out")
+
+    assert len(steps.losses) == 2 and all(math.isfinite(loss) for loss in steps.losses), steps.losses
+    assert steps.autocast and set(steps.autocast) == {(True, torch.bfloat16)}, set(steps.autocast)
+    assert set(steps.gate_logits) == bf16_model_gate_logit_dtypes(case), set(steps.gate_logits)
+
+    # bf16 but for the fp32 buffers (step counters and flags keep their integer and boolean dtypes)
+    floating = {key: dtype for key, dtype in saved_dtypes(tmp_path / "out").items() if dtype in ("BF16", "F32")}
+    kept = {key for key in floating if key.rsplit(".", 1)[-1] in FP32_BUFFERS}
+    assert {floating[key] for key in kept} <= {"F32"}
+    assert {dtype for key, dtype in floating.items() if key not in kept} == {"BF16"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    reloaded = load(tmp_path / "out")
+    assert reloaded.dtype == torch.bfloat16 and reloaded.config.dtype == torch.bfloat16
+    with torch.no_grad():  # the training forward: MoEMB's SMoES losses are computed in training only
+        loss, _ = step(reloaded.train(), tmp_path / "out")
+    assert torch.isfinite(loss)
+
+
+def test_a_recipe_loaded_in_bf16_starts_within_bf16_tolerance_of_fp32(folders, tmp_path):
+    """MoE-ViE's first training loss with the weights loaded in bf16 and the forwards under autocast, against fp32's
+    on the same batch: the bf16 weights' rounding (the recipe steps above keep fp32 weights) adds no more than bf16's
+    tolerance."""
+    dataset, folder = shapes_examples(8), folders["tiny-moe_vie"]
     common = dict(steps=1, batch_size=4, learning_rate=1e-3, logging_steps=1)
-    fp32 = moe_vie.train_moe_vie(folder, dataset, tmp_path / "fp32",
-                                 moe_vie.MoeVieTrainingOptions(**common))  # fmt: skip
-    seen.clear()
+    fp32 = moe_vie.train_moe_vie(folder, dataset, tmp_path / "fp32", moe_vie.MoeVieTrainingOptions(**common))
     options = moe_vie.MoeVieTrainingOptions(**common, dtype="bfloat16", training_args={"bf16": True})
     bf16 = moe_vie.train_moe_vie(folder, dataset, tmp_path / "bf16", options)
-    assert seen and all(entry == (True, torch.bfloat16, torch.float32) for entry in seen), seen
     assert bf16["initial_loss"] == pytest.approx(fp32["initial_loss"], rel=BF16_LOSS_RTOL)
-
-    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as saved:
-        dtypes = {key: saved.get_slice(key).get_dtype() for key in saved.keys()}
-    assert {dtype for key, dtype in dtypes.items() if "e_score_correction_bias" not in key} == {"BF16"}
-    assert {dtype for key, dtype in dtypes.items() if "e_score_correction_bias" in key} == {"F32"}
-    reloaded = load(tmp_path / "bf16")
-    assert reloaded.dtype == torch.bfloat16 and reloaded.config.dtype == torch.bfloat16
     assert load(tmp_path / "fp32").dtype == torch.float32
 
 
