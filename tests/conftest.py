@@ -3,6 +3,7 @@ processes, one launch running several scenarios in turn), and the tiny checkpoin
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,15 +139,18 @@ class Scenarios:
     """One torchrun launch of `script` on `nproc` processes that runs several scenarios in turn: importing torch,
     transformers and moezoo and starting the process group cost most of a launch on a loaded machine, so the tests of
     a file share one. `scenarios` maps a name to the arguments of the script's `main`; each test checks that its
-    scenario completed (`check`) and then reads what its run wrote, as after a launch of its own. Every process runs
-    them in order and stops at the first failure (torchrun then ends the others), so the scenarios after a failed one
-    fail too, each with the launch's stderr. The script runs them through `run_scenarios`."""
+    scenario ended as it should (`check`: completed, or interrupted on purpose) and then reads what its run wrote, as
+    after a launch of its own. Every process runs them in order and stops at the first failure (torchrun then ends
+    the others), so the scenarios after a failed one fail too, each with the launch's stderr. The script runs them
+    through `run_scenarios`. A second launch of the same script over the same folder (`resume_interrupted`) takes
+    another `launch` name, which keeps the two launches' plans and marks apart."""
 
     def __init__(self, script: Path, scenarios: dict[str, list], root: Path, nproc: int = 2,
-                 env: dict | None = None, timeout_per_scenario: int = 240):  # fmt: skip
-        self.root, self.nproc, self.done = root, nproc, root / "completed"
+                 env: dict | None = None, timeout_per_scenario: int = 240, launch: str = "launch"):  # fmt: skip
+        self.script, self.root, self.nproc, self.env = script, root, nproc, env
+        self.done = root / f"{launch}.completed"
         self.done.mkdir(parents=True)
-        plan = root / "scenarios.json"
+        plan = root / f"{launch}.json"
         plan.write_text(json.dumps({name: list(map(str, args)) for name, args in scenarios.items()}))
         try:
             result = run_processes(script, SCENARIOS_FLAG, plan, self.done, nproc=nproc, env=env, check=False,
@@ -156,11 +160,15 @@ class Scenarios:
             stderr = timeout.stderr.decode(errors="replace") if isinstance(timeout.stderr, bytes) else timeout.stderr
             self.report = f"launch timed out after {timeout.timeout} s:\n{(stderr or '')[-5000:]}"
 
-    def check(self, name: str) -> Path:
-        """Fail the test unless scenario `name` completed on every process; else `ROOT/name`, the folder its run
+    def check(self, name: str, exit_status: int = 0) -> Path:
+        """Fail the test unless scenario `name` ended on every process with `exit_status` (0: it completed; a run
+        interrupted on purpose exits with its own status, see `run_scenarios`); else `ROOT/name`, the folder its run
         writes to by the callers' convention."""
-        completed = all((self.done / f"{name}.{rank}").exists() for rank in range(self.nproc))
-        assert completed, f"scenario {name} did not complete; {self.report}"
+        marks = [self.done / f"{name}.{rank}" for rank in range(self.nproc)]
+        statuses = [mark.read_text() if mark.exists() else "none" for mark in marks]
+        assert statuses == [str(exit_status)] * self.nproc, (
+            f"scenario {name} ended with exit status {', '.join(statuses)} (by rank), not {exit_status}; {self.report}"
+        )
         return self.root / name
 
 
@@ -169,16 +177,35 @@ SCENARIOS_FLAG = "--scenarios"
 
 def run_scenarios(main, argv: list[str]) -> None:
     """The command line of a test file run as a torchrun script: `main(argv)`, or with `--scenarios PLAN DONE` (from
-    `Scenarios`) `main` on each scenario's arguments in turn, each marked completed in DONE by every process. Between
-    scenarios the process keeps what `main` set up globally (the process group, accelerate's state), so `main` must
-    undo its own patches."""
+    `Scenarios`) `main` on each scenario's arguments in turn, each marked in DONE by every process with its exit
+    status: 0, or the status of the `SystemExit` that ended it (a run interrupted on purpose, which the launch
+    outlives); any other exception ends the launch. Between scenarios the process keeps what `main` set up globally
+    (the process group, accelerate's state), so `main` must undo its own patches."""
     if argv[:1] != [SCENARIOS_FLAG]:
         main(argv)
         return
     plan, done = json.loads(Path(argv[1]).read_text()), Path(argv[2])
     for name, args in plan.items():
-        main(args)
-        (done / f"{name}.{os.environ['RANK']}").touch()
+        try:
+            main(args)
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+        (done / f"{name}.{os.environ['RANK']}").write_text(str(status))
+
+
+def resume_interrupted(launched: Scenarios, resumptions: dict[str, list]) -> Scenarios:
+    """The runs that `launched` interrupted after a checkpoint, resumed in a second launch of its script, as after a
+    real interruption. `resumptions` maps the name of each interrupted run to
+    the arguments of its resumption, scenario `NAME-resumed`, which writes `ROOT/NAME-resumed` (its arguments name
+    that folder) from a copy of the interrupted run's checkpoints, `ROOT/NAME-resumed.checkpoints`: the interrupted
+    run's own folders stay as it left them, for the tests to read."""
+    for name in resumptions:
+        checkpoints = launched.root / f"{name}.checkpoints"
+        if checkpoints.exists():  # else the test fails on the interrupted run's exit status
+            shutil.copytree(checkpoints, launched.root / f"{name}-resumed.checkpoints")
+    return Scenarios(launched.script, {f"{name}-resumed": args for name, args in resumptions.items()}, launched.root,
+                     nproc=launched.nproc, env=launched.env, launch="resumptions")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

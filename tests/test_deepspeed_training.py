@@ -4,30 +4,29 @@ weights of one process on the same global batches, and the saved folder loads in
 its DeepSpeed checkpoint; what does not combine with `--deepspeed` is refused. Tiny models, two steps, one thread per
 process; the helpers, fixtures and one-process runs are those of tests/test_distributed_training_vlm.py.
 
-The launches partition every parameter (`zero3_config`), the tiny models' small ones included. Run as a script,
-each process runs tests/test_distributed_training_vlm.py's training command with `--deepspeed CONFIG`.
+The launches partition every parameter (`zero3_config`), the tiny models' small ones included. Every process runs
+tests/test_distributed_training_vlm.py's training command with `--deepspeed CONFIG`: one launch runs the runs of
+`RUNS` and the interrupted run in turn (conftest's `Scenarios`), another the resumption.
 """
 
 import argparse
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from moezoo.training import deepspeed_zero
 
-from conftest import run_python
-from test_distributed_training import WEIGHT_ATOL, assert_same_losses, assert_same_weights
-from test_distributed_training_vlm import folders, one_process, run_distributed  # noqa: F401 (fixtures)
+import test_distributed_training_vlm
+from conftest import Scenarios, resume_interrupted, run_python
+from test_distributed_training import INTERRUPTED, WEIGHT_ATOL, WORLD, assert_same_losses, assert_same_weights
+from test_distributed_training_vlm import distributed_arguments, folders, one_process  # noqa: F401 (fixtures)
 
 # Installed by the `test` extra; skipped before the fixtures build their models when it is not.
 requires_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                         reason=f"DeepSpeed is not installed: {deepspeed_zero.INSTALL}")
-
-
-def run_zero3(arch: str, folders, out, config, *flags, check: bool = True):
-    return run_distributed(arch, folders, out, "--deepspeed", config, *flags, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +40,53 @@ def zero3_config(tmp_path_factory):
     return path
 
 
+# The ZeRO-3 runs, by name: (arch, LoRA rank). One launch (`launched`) runs them in turn, and then SMoES's run
+# checkpointing every step, interrupted at step 2 of 2 (`interrupted`), which another launch resumes (`resumed`).
+RUNS = {"smoes": ("smoes", 0), "smoes-lora": ("smoes", 2), "omnimoe_vl": ("omnimoe_vl", 0)}
+CHECKPOINTED = ("smoes", 0)
+
+
+def zero3_arguments(folders, out, config, arch: str, lora_r: int, *flags) -> list:
+    """The arguments of tests/test_distributed_training_vlm.py's command for a ZeRO-3 run of `arch` (Stage I)."""
+    return distributed_arguments(folders, out, arch, "I", lora_r, False, ("--deepspeed", config, *flags))
+
+
+@pytest.fixture(scope="module")
+def launched(folders, zero3_config, tmp_path_factory):
+    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME`, then the interrupted run."""
+    root = tmp_path_factory.mktemp("launched")
+    scenarios = {name: zero3_arguments(folders, root / name, zero3_config, *run) for name, run in RUNS.items()}
+    scenarios["interrupted"] = zero3_arguments(folders, root / "interrupted", zero3_config, *CHECKPOINTED,
+                                               "--save-steps", 1, "--stop-at", 2)  # fmt: skip
+    return Scenarios(Path(test_distributed_training_vlm.__file__), scenarios, root, nproc=WORLD)
+
+
+@pytest.fixture(scope="module")
+def resumed(folders, zero3_config, launched):
+    """The interrupted run of `launched` resumed: `interrupted-resumed`."""
+    return resume_interrupted(launched, {
+        "interrupted": zero3_arguments(folders, launched.root / "interrupted-resumed", zero3_config, *CHECKPOINTED,
+                                       "--save-steps", 1, "--resume"),  # fmt: skip
+    })
+
+
 @pytest.mark.slow
 @requires_deepspeed
 @pytest.mark.parametrize("lora_r", [0, 2])
-def test_zero3_trains_as_one_process(lora_r, folders, one_process, zero3_config, tmp_path):
+def test_zero3_trains_as_one_process(lora_r, one_process, launched):
     """SMoES (a Qwen3.5-MoE host): its sparse MoE blocks are ZeRO-3 leaves; in full, and with PEFT's LoRA attached
     after loading (partitioned by DeepSpeed with the rest), merged at the end. The full run's folder loads in a
     fresh process."""
     reference, summary = one_process("smoes", "I", lora_r)
-    run_zero3("smoes", folders, tmp_path / "zero3", zero3_config, "--lora", lora_r)
-    assert_same_weights(tmp_path / "zero3", reference)
-    assert_same_losses(tmp_path / "zero3", summary)
+    zero3 = launched.check("smoes-lora" if lora_r else "smoes")
+    assert_same_weights(zero3, reference)
+    assert_same_losses(zero3, summary)
     if lora_r:
         return
     run_python(f"""
         import torch
         from moezoo.training.smoes import load_smoes_model
-        trained, _ = load_smoes_model({str(tmp_path / "zero3")!r})
+        trained, _ = load_smoes_model({str(zero3)!r})
         expected, _ = load_smoes_model({str(reference)!r})
         for name, tensor in expected.state_dict().items():
             torch.testing.assert_close(trained.state_dict()[name], tensor, rtol=0, atol={WEIGHT_ATOL}, msg=name)
@@ -66,16 +95,14 @@ def test_zero3_trains_as_one_process(lora_r, folders, one_process, zero3_config,
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_a_zero3_run_resumes_from_its_deepspeed_checkpoint(folders, one_process, zero3_config, tmp_path):
+def test_a_zero3_run_resumes_from_its_deepspeed_checkpoint(one_process, launched, resumed):
     """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of one uninterrupted
     process."""
     reference, _ = one_process("smoes", "I")
-    out = tmp_path / "out"
-    stopped = run_zero3("smoes", folders, out, zero3_config, "--save-steps", 1, "--stop-at", 2, check=False)
-    assert stopped.returncode != 0 and not out.exists()
-    assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
-    run_zero3("smoes", folders, out, zero3_config, "--save-steps", 1, "--resume")
-    assert_same_weights(out, reference)
+    stopped = launched.check("interrupted", exit_status=INTERRUPTED)
+    assert not stopped.exists()
+    assert [path.name for path in stopped.with_name("interrupted.checkpoints").iterdir()] == ["checkpoint-1"]
+    assert_same_weights(resumed.check("interrupted-resumed"), reference)
 
 
 def test_the_deepspeed_option_reaches_every_train_command(tmp_path):
@@ -114,13 +141,13 @@ def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_zero3_trains_omnimoe_vl_and_its_0d_parameter_as_one_process(folders, one_process, zero3_config, tmp_path):
+def test_zero3_trains_omnimoe_vl_and_its_0d_parameter_as_one_process(one_process, launched):
     """OmniMoE-VL's Stage I, the projector: its 0-d `fusion_output_scale`, which DeepSpeed cannot partition, trains as
     a one-element vector and is saved 0-d again (the weights are compared shape and all)."""
     reference, summary = one_process("omnimoe_vl", "I")
-    run_zero3("omnimoe_vl", folders, tmp_path / "zero3", zero3_config)
-    assert_same_weights(tmp_path / "zero3", reference)
-    assert_same_losses(tmp_path / "zero3", summary)
+    zero3 = launched.check("omnimoe_vl")
+    assert_same_weights(zero3, reference)
+    assert_same_losses(zero3, summary)
 
 
 @requires_deepspeed

@@ -3,13 +3,14 @@ two gloo processes: MoEMB's LoRA recipe (PEFT adapters, the `<emb>` row, the exp
 experts or one per expert) under FSDP2 and under EP, and with `--smoes` under FSDP2, MoTE's `--lora-r` and
 `--add-expert` (a new expert) under FSDP2, MoE-ViE (its 0-d `logit_scale` kept whole) under FSDP2 and EP, and
 MoE-ViE's video fine-tuning (its frozen teacher) with `--lora-r` (PEFT on attention, one expert adapter per expert)
-under FSDP2 and EP give the losses and the final (merged) weights of one process on the same global batches. Tiny
-models, two steps, one thread per process.
+under FSDP2 and EP give the losses and the final (merged) weights of one process on the same global batches; an
+interrupted FSDP2 run resumes from its distributed checkpoint. Tiny models, two steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_adapters.py
-ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--smoes] [--add-expert] [--lora-r R] [--video]`, or
-`--scenarios PLAN DONE` (conftest's `Scenarios`): the runs of `RUNS` share one launch, since starting the processes
-costs more than a tiny run.
+ARCH MODEL OUT [--fsdp N] [--ep N] [--expert-lora MODE] [--smoes] [--add-expert] [--lora-r R] [--video] [--full
+[--save-steps N] [--resume] [--stop-at STEP]]`, or `--scenarios PLAN DONE` (conftest's `Scenarios`): the runs of
+`RUNS` and the interrupted runs share one launch, since starting the processes costs more than a tiny run, and the
+resumptions share another.
 """
 
 import argparse
@@ -35,16 +36,18 @@ from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.mote_synthetic import ProcedureVideos
 from moezoo.training.synthetic import ColouredShapes
 
-from conftest import Scenarios, free_port, run_python, run_scenarios
+from conftest import Scenarios, free_port, resume_interrupted, run_python, run_scenarios
 from test_distributed_training import (
     GLOBAL_BATCH,
+    INTERRUPTED,
     LEARNING_RATE,
     STEPS,
+    TRAINER_CLASSES,
     WORLD,
     assert_same_losses,
     assert_same_weights,
+    interrupt_at,
     moe_vie_folder,  # noqa: F401 (a fixture)
-    run_distributed,
     shapes_dataset,
 )
 from test_distributed_training import train as train_full
@@ -101,10 +104,25 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--lora-r", type=int, default=0)
     parser.add_argument("--video", action="store_true")
     parser.add_argument("--smoes", action="store_true")
+    parser.add_argument("--full", action="store_true",
+                        help="train in full, as test_distributed_training's command (MoE-ViE does without it)")
+    parser.add_argument("--save-steps", type=int, default=0, help="with --full")
+    parser.add_argument("--resume", action="store_true", help="with --full")
+    parser.add_argument("--stop-at", type=int, help="with --full: interrupt the run at this step, as Ctrl-C would")
     args = parser.parse_args(argv)
+    if not args.full and (args.save_steps or args.resume or args.stop_at):
+        parser.error("--save-steps, --resume and --stop-at go with --full")
     torch.set_num_threads(1)
-    train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora,
-          add_expert=args.add_expert, lora_r=args.lora_r, video=args.video, smoes=args.smoes)
+    if not args.full:
+        train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.expert_lora,
+              add_expert=args.add_expert, lora_r=args.lora_r, video=args.video, smoes=args.smoes)
+        return
+    try:
+        with interrupt_at(TRAINER_CLASSES[args.arch], args.stop_at):
+            train_full(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
+                       args.resume)  # fmt: skip
+    except KeyboardInterrupt:
+        sys.exit(INTERRUPTED)
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +156,37 @@ RUNS = {
     "moe_vie-video-lora-fsdp": ("moe_vie", "--fsdp", WORLD, "--lora-r", 2, "--video"),
     "moe_vie-video-lora-ep": ("moe_vie", "--ep", WORLD, "--lora-r", 2, "--video"),
 }
+# The FSDP2 runs in full interrupted after their checkpoint at step 1 of 2, by architecture, then resumed: they run
+# last in `launched`, as `interrupted-ARCH`, and their resumptions in a launch of their own (`resumed`).
+INTERRUPTED_RUNS = ("moe_vie", "mote")
+CHECKPOINTED = ("--full", "--fsdp", WORLD, "--save-steps", 1)
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_moemb, videollm_folder, moe_vie_even_experts, tmp_path_factory):  # noqa: F811
-    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME` (MoE-ViE: the 8-expert model)."""
-    models = {"moemb": tiny_moemb, "mote": videollm_folder, "moe_vie": moe_vie_even_experts}
+def models(tiny_moemb, videollm_folder, moe_vie_even_experts):  # noqa: F811
+    """The model folder of each architecture's runs (MoE-ViE: the 8-expert model)."""
+    return {"moemb": tiny_moemb, "mote": videollm_folder, "moe_vie": moe_vie_even_experts}
+
+
+@pytest.fixture(scope="module")
+def launched(models, tmp_path_factory):
+    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME`, then the interrupted runs."""
     root = tmp_path_factory.mktemp("launched")
     scenarios = {name: [arch, models[arch], root / name, *flags] for name, (arch, *flags) in RUNS.items()}
+    for arch in INTERRUPTED_RUNS:
+        name = f"interrupted-{arch}"
+        scenarios[name] = [arch, models[arch], root / name, *CHECKPOINTED, "--stop-at", 2]
     return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
+@pytest.fixture(scope="module")
+def resumed(models, launched):
+    """The interrupted runs of `launched` resumed, in one launch: `interrupted-ARCH-resumed`."""
+    return resume_interrupted(launched, {
+        f"interrupted-{arch}": [arch, models[arch], launched.root / f"interrupted-{arch}-resumed", *CHECKPOINTED,
+                                "--resume"]  # fmt: skip
+        for arch in INTERRUPTED_RUNS
+    })
 
 
 @pytest.mark.slow
@@ -244,26 +284,24 @@ def test_moe_vie_video_lora_sharded_trains_as_one_process(case, moe_vie_even_exp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["moe_vie", "mote"])
-def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_even_experts, moe_vie_reference,
-                                                               videollm_folder, tmp_path):  # noqa: F811  # fmt: skip
+@pytest.mark.parametrize("arch", INTERRUPTED_RUNS)
+def test_a_sharded_run_resumes_from_its_distributed_checkpoint(arch, moe_vie_reference, videollm_folder,  # noqa: F811
+                                                               launched, resumed, tmp_path):  # fmt: skip
     """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, an FSDP2 run ends with the
     weights of one uninterrupted process: MoE-ViE, sharded after loading (its logit_scale whole), and MoTE, sharded
     while loading, whose experts of a route not drawn before the checkpoint have no optimizer state there. MoE-ViE's
     saved folder loads in a fresh process."""
-    model = {"moe_vie": moe_vie_even_experts, "mote": videollm_folder}[arch]
     if arch == "moe_vie":
         reference = moe_vie_reference[0]
     else:
         reference = tmp_path / "one"
-        train(arch, model, reference, GLOBAL_BATCH, lora=False)
-    out, flags = tmp_path / "out", ("--fsdp", WORLD, "--save-steps", 1)
-    stopped = run_distributed(arch, model, out, *flags, "--stop-at", 2, check=False)
-    assert stopped.returncode != 0 and not out.exists()
-    checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
+        train(arch, videollm_folder, reference, GLOBAL_BATCH, lora=False)
+    stopped = launched.check(f"interrupted-{arch}", exit_status=INTERRUPTED)
+    assert not stopped.exists()
+    checkpoint = stopped.with_name(f"{stopped.name}.checkpoints") / "checkpoint-1"
     assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() and (checkpoint / "scheduler.pt").is_file()
-    run_distributed(arch, model, out, *flags, "--resume")
-    assert not (tmp_path / "out.checkpoints").exists()
+    out = resumed.check(f"interrupted-{arch}-resumed")
+    assert not out.with_name(f"{out.name}.checkpoints").exists()
     assert_same_weights(out, reference)
     if arch == "mote":
         return

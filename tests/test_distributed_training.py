@@ -5,9 +5,9 @@ the loss and gradients of one process; what cannot run distributed is refused be
 steps, one thread per process.
 
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training.py ARCH
-MODEL OUT [--fsdp N] [--ep N] [--save-steps N] [--resume] [--stop-at STEP]`, or `--scenarios PLAN DONE` (conftest's
-`Scenarios`): the runs that are not interrupted (`RUNS`) share one launch, since starting the processes costs more
-than a tiny run; the interrupted run and its resumption keep launches of their own.
+MODEL OUT [--fsdp N] [--ep N] [--save-steps N] [--resume] [--stop-at STEP]` (or `expert-parallel-moemb MODEL`), or
+`--scenarios PLAN DONE` (conftest's `Scenarios`): the runs of `RUNS`, the interrupted run and the EP check share one
+launch, since starting the processes costs more than a tiny run; the resumption has another.
 """
 
 import argparse
@@ -28,7 +28,7 @@ from moezoo.training.moemb_synthetic import ShapeRetrieval
 from moezoo.training.mote_synthetic import ProcedureVideos
 from moezoo.training.synthetic import ColouredShapes
 
-from conftest import Scenarios, run_processes, run_python, run_scenarios
+from conftest import Scenarios, resume_interrupted, run_processes, run_python, run_scenarios
 
 # Fixtures of the MoTE training tests: imported, pytest uses them in this module too (hence the noqa: F401 and F811).
 from test_mote_training import procedure_videos, videollm_folder  # noqa: F401
@@ -39,6 +39,8 @@ WORLD = 2
 # gradient is almost zero that rounding moves a weight by up to ~learning rate per step. 1e-4 tolerates it, and is
 # still far below what a wrong batch or an unsynchronised gradient changes (the learning rate itself).
 WEIGHT_ATOL = 1e-4
+# The exit status of a run that `interrupt_at` stopped, as a scenario of a launch marks it (conftest's `Scenarios`).
+INTERRUPTED = 3
 
 
 def shapes_dataset():
@@ -65,9 +67,14 @@ def train(arch: str, model, out, batch_size: int, fsdp: int = 1, ep: int = 1, sa
 
 
 TRAINER_CLASSES = {"moe_vie": moe_vie.MoeVieTrainer, "moemb": moemb.MoEmbTrainer, "mote": mote.MoteTrainer}
+# The script's first argument that runs `check_expert_parallel_moemb` instead of a training run.
+EXPERT_PARALLEL_CHECK = "expert-parallel-moemb"
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == [EXPERT_PARALLEL_CHECK]:
+        check_expert_parallel_moemb(argv[1])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("arch")
     parser.add_argument("model")
@@ -84,7 +91,7 @@ def main(argv: list[str]) -> None:
             train(args.arch, args.model, args.out, GLOBAL_BATCH // WORLD, args.fsdp, args.ep, args.save_steps,
                   args.resume)
     except KeyboardInterrupt:
-        sys.exit(3)
+        sys.exit(INTERRUPTED)
 
 
 @contextmanager
@@ -110,10 +117,6 @@ def interrupt_at(trainer_class, step: int | None):
             del trainer_class.training_step
         else:
             trainer_class.training_step = own
-
-
-def run_distributed(arch: str, model, out, *flags, check: bool = True):
-    return run_processes(__file__, arch, model, out, *flags, nproc=WORLD, timeout=300, check=check)
 
 
 def assert_same_weights(folder, reference) -> None:
@@ -151,14 +154,30 @@ RUNS = {
     "ddp-mote": ("mote",),
     "fsdp-mote": ("mote", "--fsdp", WORLD),
 }
+# MoE-ViE's DDP run checkpointing every step: interrupted at step 2 of 2 last in `launched`, resumed in a launch of
+# its own (`resumed`).
+CHECKPOINTED = ("moe_vie", "--save-steps", 1)
 
 
 @pytest.fixture(scope="module")
 def launched(folders, tmp_path_factory):
-    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME`."""
+    """Every run of `RUNS` in one launch of two processes, writing `ROOT/NAME`, then the interrupted run and
+    `check_expert_parallel_moemb`."""
     root = tmp_path_factory.mktemp("launched")
     scenarios = {name: [arch, folders[arch], root / name, *flags] for name, (arch, *flags) in RUNS.items()}
+    arch, *flags = CHECKPOINTED
+    scenarios["interrupted"] = [arch, folders[arch], root / "interrupted", *flags, "--stop-at", 2]
+    scenarios[EXPERT_PARALLEL_CHECK] = [EXPERT_PARALLEL_CHECK, folders["moemb"]]
     return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
+@pytest.fixture(scope="module")
+def resumed(folders, launched):
+    """The interrupted run of `launched` resumed: `interrupted-resumed`."""
+    arch, *flags = CHECKPOINTED
+    return resume_interrupted(launched, {
+        "interrupted": [arch, folders[arch], launched.root / "interrupted-resumed", *flags, "--resume"],
+    })
 
 
 @pytest.mark.slow
@@ -191,16 +210,15 @@ def test_fsdp_trains_as_one_process_and_its_folder_loads_in_a_fresh_process(vide
 
 
 @pytest.mark.slow
-def test_a_ddp_run_resumes_from_its_checkpoint(moe_vie_folder, launched, tmp_path):
+def test_a_ddp_run_resumes_from_its_checkpoint(launched, resumed):
     """Stopped after its checkpoint at step 1 of 2 and resumed, it ends with the weights of an uninterrupted run (the
     DDP run of `RUNS`)."""
     uninterrupted = launched.check("ddp-moe_vie")
-    out = tmp_path / "out"
-    stopped = run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--stop-at", 2, check=False)
-    assert stopped.returncode != 0 and not out.exists()
-    assert [path.name for path in (tmp_path / "out.checkpoints").iterdir()] == ["checkpoint-1"]
-    run_distributed("moe_vie", moe_vie_folder, out, "--save-steps", 1, "--resume")
-    assert not (tmp_path / "out.checkpoints").exists()
+    stopped = launched.check("interrupted", exit_status=INTERRUPTED)
+    assert not stopped.exists()
+    assert [path.name for path in stopped.with_name("interrupted.checkpoints").iterdir()] == ["checkpoint-1"]
+    out = resumed.check("interrupted-resumed")
+    assert not out.with_name(f"{out.name}.checkpoints").exists()
     assert_same_weights(out, uninterrupted)
 
 
@@ -215,48 +233,48 @@ def test_checkpoints_of_a_sharded_run_are_refused_where_the_trainer_cannot_write
         distributed_config(WORLD, 1, save_steps=1)
 
 
-EP_SCRIPT = """
-import sys, torch, torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from transformers.distributed import DistributedConfig
-from moezoo.modeling.moemb import MoEmbForEmbedding
+def check_expert_parallel_moemb(folder) -> None:
+    """On every process of a launch: MoEMB's model at `folder` under the EP plan the core derives (`ep_size=WORLD`)
+    computes the loss of one process on this process's batch, and the gradients of one process on both batches."""
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed import DistributedConfig
 
-torch.set_num_threads(1)
-folder, = sys.argv[1:]
-generator = torch.Generator().manual_seed(0)
-reference = MoEmbForEmbedding.from_pretrained(folder)
-input_ids = torch.randint(0, 100, ({world}, 2, 6), generator=generator)  # one batch of 2 sequences per process
-input_ids[..., -1] = reference.config.emb_token_id  # the token MoEMB pools
+    from moezoo.modeling.moemb import MoEmbForEmbedding
 
-def loss_of(model, ids):
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).embeddings.pow(2).sum(-1).mean()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    reference = MoEmbForEmbedding.from_pretrained(folder)
+    input_ids = torch.randint(0, 100, (WORLD, 2, 6), generator=generator)  # one batch of 2 sequences per process
+    input_ids[..., -1] = reference.config.emb_token_id  # the token MoEMB pools
 
-reference_losses = [loss_of(reference, ids) for ids in input_ids]
-torch.stack(reference_losses).mean().backward()
+    def loss_of(model, ids):
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).embeddings.pow(2).sum(-1).mean()
 
-model = MoEmbForEmbedding.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size={world}, ep_size={world}))
-rank = dist.get_rank()
-experts = model.model.language_model.layers[0].mlp.experts
-assert isinstance(experts.gate_up_proj, DTensor) and experts.num_experts == reference.config.text_config.num_experts // {world}
-loss = loss_of(model, input_ids[rank])
-loss.backward()
-torch.testing.assert_close(loss, reference_losses[rank], rtol=0, atol=1e-6)
-for name, parameter in model.named_parameters():
-    gradient = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
-    expected = reference.get_parameter(name).grad
-    torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-7, msg=name)
-dist.destroy_process_group()
-"""
+    reference_losses = [loss_of(reference, ids) for ids in input_ids]
+    torch.stack(reference_losses).mean().backward()
+
+    config = DistributedConfig(fsdp_size=WORLD, ep_size=WORLD)
+    model = MoEmbForEmbedding.from_pretrained(folder, distributed_config=config)
+    rank = torch.distributed.get_rank()
+    experts = model.model.language_model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, DTensor)
+    assert experts.num_experts == reference.config.text_config.num_experts // WORLD
+    loss = loss_of(model, input_ids[rank])
+    loss.backward()
+    torch.testing.assert_close(loss, reference_losses[rank], rtol=0, atol=1e-6)
+    for name, parameter in model.named_parameters():
+        gradient = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+        expected = reference.get_parameter(name).grad
+        torch.testing.assert_close(gradient, expected, rtol=1e-4, atol=1e-7, msg=name)
 
 
 @pytest.mark.slow
-def test_expert_parallel_moemb_computes_the_loss_and_gradients_of_one_process(tiny_moemb, tmp_path):
+def test_expert_parallel_moemb_computes_the_loss_and_gradients_of_one_process(launched):
     """The EP plan the core derives for MoEMB's `SparseMoeBlock`s: each process holds half of every layer's experts
     (a contiguous range), tokens reach them through transformers' all-to-all, and the loss and every gradient
-    (gathered) are those of one process on both batches."""
-    script = tmp_path / "expert_parallel.py"
-    script.write_text(EP_SCRIPT.format(world=WORLD))
-    run_processes(script, tiny_moemb, nproc=WORLD)
+    (gathered) are those of one process on both batches (`check_expert_parallel_moemb`, the last scenario of
+    `launched`)."""
+    launched.check(EXPERT_PARALLEL_CHECK)
 
 
 def test_sharding_flags_need_a_distributed_launch(moe_vie_folder, tmp_path):

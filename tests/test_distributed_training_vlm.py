@@ -11,8 +11,8 @@ models, two steps, one thread per process; the helpers are those of tests/test_d
 Run as a script, this file is the training command of every process: `torchrun ... test_distributed_training_vlm.py
 ARCH MODEL DATA OUT [--stage S] [--fsdp N] [--ep N] [--ep-implementation NAME] [--lora R] [--smoes]
 [--save-steps N] [--resume] [--stop-at STEP]`, or `--scenarios PLAN DONE` (conftest's `Scenarios`): the runs that
-train from the start (`RUNS`) share one launch, since starting the processes costs more than a tiny run; the
-interrupted runs and their resumptions keep launches of their own.
+train from the start (`RUNS`) and the interrupted runs share one launch, since starting the processes costs more
+than a tiny run, and the resumptions share another.
 """
 
 import argparse
@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from transformers.distributed.expert_parallel import EPImplementationInterface
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from moezoo.training import omnimoe_vl, smoes
 from moezoo.training.arguments import trainer_options
@@ -33,16 +34,16 @@ from moezoo.training.smoes import SmoesTrainingOptions, train_smoes
 from moezoo.training.smoes_synthetic import write_shape_captions
 from moezoo.zoo import create_from_preset
 
-from conftest import Scenarios, run_scenarios
+from conftest import Scenarios, resume_interrupted, run_scenarios
 from test_distributed_training import (
     GLOBAL_BATCH,
+    INTERRUPTED,
     LEARNING_RATE,
     STEPS,
     WORLD,
     assert_same_losses,
     assert_same_weights,
     interrupt_at,
-    run_processes,
 )
 from test_omnimoe_vl_training import QUESTIONS, image
 from test_smoes_hosts import settings as smoes_settings
@@ -99,14 +100,13 @@ def main(argv: list[str]) -> None:
                   fsdp=args.fsdp, ep=args.ep, ep_implementation=args.ep_implementation, lora_r=args.lora,
                   save_steps=args.save_steps, resume=args.resume, deepspeed=args.deepspeed)
     except KeyboardInterrupt:
-        sys.exit(3)
-    finally:  # the next scenario of the launch counts its own dispatches
+        sys.exit(INTERRUPTED)
+    finally:  # the next scenario of the launch counts its own dispatches, and loads its model whole
         implementation._dispatch_tokens = dispatch
+        # transformers holds the DeepSpeed config of the run's TrainingArguments globally while they live (a weak
+        # reference), and would partition the next scenario's model while loading it under a ZeRO-3 one
+        unset_hf_deepspeed_config()
     assert bool(dispatches) == (args.ep > 1), f"{name}: {len(dispatches)} dispatches"
-
-
-def run_distributed(arch: str, folders, out, *flags, check: bool = True):
-    return run_processes(__file__, arch, *folders[arch], out, *map(str, flags), nproc=WORLD, timeout=300, check=check)
 
 
 def distributed_arguments(folders, out, arch: str, stage: str, lora_r: int, smoes: bool, flags: tuple) -> list:
@@ -142,6 +142,14 @@ RUNS = {
         "stage-IV-ep": ("omnimoe_vl", "IV", 0, True, ("--ep", WORLD)),
     },
 }  # fmt: skip
+
+# The runs interrupted after their checkpoint at step 1 of 2 and then resumed, by case (the test's id): (arch, LoRA
+# rank, flags). They run last in `launched`, as `interrupted-CASE`, and their resumptions in a launch of their own.
+INTERRUPTED_RUNS = {
+    "smoes-fsdp": ("smoes", 0, ("--fsdp", WORLD)),
+    "smoes-ep-lora": ("smoes", 2, ("--ep", WORLD)),
+    "omnimoe_vl-ddp": ("omnimoe_vl", 0, ()),
+}
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +190,33 @@ def one_process(folders, tmp_path_factory):
     return run
 
 
+def interrupted_run_arguments(folders, out, case: str, *flags) -> list:
+    """The script's arguments for `INTERRUPTED_RUNS[case]` (Stage I, checkpoints every step) with `flags`."""
+    arch, lora_r, sharding = INTERRUPTED_RUNS[case]
+    return distributed_arguments(folders, out, arch, "I", lora_r, False, (*sharding, "--save-steps", 1, *flags))
+
+
 @pytest.fixture(scope="module")
 def launched(folders, tmp_path_factory):
-    """Every run of `RUNS` in one launch of two processes, each named `TEST-CASE`."""
+    """Every run of `RUNS` in one launch of two processes, each named `TEST-CASE`, then the interrupted runs of
+    `INTERRUPTED_RUNS`, named `interrupted-CASE`."""
     root = tmp_path_factory.mktemp("launched")
     scenarios = {f"{test}-{case}": distributed_arguments(folders, root / f"{test}-{case}", *run)
                  for test, runs in RUNS.items() for case, run in runs.items()}  # fmt: skip
+    for case in INTERRUPTED_RUNS:
+        scenarios[f"interrupted-{case}"] = interrupted_run_arguments(folders, root / f"interrupted-{case}", case,
+                                                                     "--stop-at", 2)  # fmt: skip
     return Scenarios(Path(__file__), scenarios, root, nproc=WORLD)
+
+
+@pytest.fixture(scope="module")
+def resumed(folders, launched):
+    """The interrupted runs of `launched` resumed, in one launch: `interrupted-CASE-resumed`."""
+    return resume_interrupted(launched, {
+        f"interrupted-{case}": interrupted_run_arguments(folders, launched.root / f"interrupted-{case}-resumed", case,
+                                                         "--resume")  # fmt: skip
+        for case in INTERRUPTED_RUNS
+    })
 
 
 def check_same_as_one_process(launched, one_process, test: str, case: str) -> Path:
@@ -228,28 +256,24 @@ def test_lora_sharded_trains_as_one_process(case, launched, one_process):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "flags", "lora_r"), [
-    ("smoes", ("--fsdp", WORLD), 0),
-    ("smoes", ("--ep", WORLD), 2),
-    ("omnimoe_vl", (), 0),
-], ids=["smoes-fsdp", "smoes-ep-lora", "omnimoe_vl-ddp"])  # fmt: skip
-def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(arch, flags, lora_r, folders, one_process, tmp_path):
+@pytest.mark.parametrize("case", INTERRUPTED_RUNS)
+def test_an_interrupted_run_resumes_to_the_uninterrupted_weights(case, launched, resumed, one_process):
     """Stopped after its checkpoint at step 1 of 2 and resumed with the same launch, the run ends with the weights of
     one uninterrupted process: SMoES under FSDP2 and under EP with `--lora 2` from its distributed checkpoint
     (`ShardedCheckpointsMixin`: model, SMoES buffers and optimizer state; with `--lora`, the expert adapters, which
     PEFT's files do not hold, are in it too), OmniMoE-VL's Stage I under DDP from the Trainer's checkpoint (the depth
     router's routing step included)."""
+    arch, lora_r, _ = INTERRUPTED_RUNS[case]
     reference, summary = one_process(arch, "I", lora_r)
-    out, flags = tmp_path / "out", (*flags, "--lora", lora_r, "--save-steps", 1)
-    stopped = run_distributed(arch, folders, out, *flags, "--stop-at", 2, check=False)
-    assert stopped.returncode != 0 and not out.exists()
-    checkpoint = tmp_path / "out.checkpoints" / "checkpoint-1"
+    stopped = launched.check(f"interrupted-{case}", exit_status=INTERRUPTED)
+    assert not stopped.exists()
+    checkpoint = stopped.with_name(f"{stopped.name}.checkpoints") / "checkpoint-1"
     assert (checkpoint / DISTRIBUTED_CHECKPOINT / ".metadata").is_file() == (arch == "smoes")
     if lora_r:
         saved = FileSystemReader(checkpoint / DISTRIBUTED_CHECKPOINT).read_metadata().state_dict_metadata
         assert any(".experts.parametrizations." in name and name.endswith(".lora_A") for name in saved)
-    run_distributed(arch, folders, out, *flags, "--resume")
-    assert not (tmp_path / "out.checkpoints").exists()
+    out = resumed.check(f"interrupted-{case}-resumed")
+    assert not out.with_name(f"{out.name}.checkpoints").exists()
     assert_same_weights(out, reference)
     step = {"smoes": "smoes_step", "omnimoe_vl": "routing_step"}[arch]  # the model's own clock, a buffer
     assert json.loads((out / "moezoo.json").read_text())["training"][step] == summary[step] > 0
