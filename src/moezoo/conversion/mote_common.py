@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.mote import DEFAULT_EXPERT_DESCRIPTIONS, check_expert_name
