@@ -11,6 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
+from torch import nn
+from transformers import Trainer, TrainingArguments
 
 from conftest import run_moezoo_in_this_process
 from moezoo.hub.folders import read_provenance
@@ -179,3 +181,22 @@ def test_evaluation_data_is_compared_by_how_the_loaders_read_it(tmp_path):
         check_same_format(tmp_path / "train.jsonl", tmp_path / "eval.csv")
     with pytest.raises(ValueError, match=r"--eval_data .*images is a folder and --data .*train\.parquet a PARQUET file"):
         check_same_format(tmp_path / "train.parquet", folder)
+
+
+def test_evaluating_leaves_the_random_state_of_training_as_it_was(tmp_path):
+    """An evaluation that draws random numbers (as MoE-ViE's video distillation does) does not change what training
+    draws next: a run trains the same with or without evaluation."""
+
+    class DrawingTrainer(EvaluatesWhileTraining, Trainer):
+        def evaluation_step(self, model, inputs):
+            return {"loss": torch.rand(len(inputs["x"]))}
+
+    model = nn.Linear(2, 1)
+    model.forward = lambda x: {"loss": model.weight.sum() * x.sum()}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none", use_cpu=True)
+    trainer = DrawingTrainer(model=model, args=args, eval_dataset=Dataset.from_dict({"x": [[1.0, 2.0]] * 4}))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    metrics = trainer.evaluate()
+    assert 0 < metrics["eval_loss"] < 1
+    assert torch.equal(torch.get_rng_state(), state)

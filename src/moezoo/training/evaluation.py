@@ -165,7 +165,11 @@ class EvaluatesWhileTraining:
         was_training = model.training
         model.eval()
         parts = defaultdict(list)
-        with torch.no_grad():
+        # Evaluating leaves the random state of training as it was (an evaluation that draws, as MoE-ViE's video
+        # distillation picks frames, would otherwise change what training draws next): a run trains the same with
+        # or without evaluation.
+        accelerators = [self.args.device] if self.args.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=accelerators):
             for inputs in dataloader:
                 for name, value in self.evaluation_step(model, self._prepare_inputs(inputs)).items():
                     parts[name].append(self.accelerator.gather_for_metrics(value.detach()).cpu())
