@@ -3,7 +3,8 @@
 - ```python blocks are executed, each in a fresh namespace; ```py marks a fragment that is not.
 - ```bash blocks are run by bash (-e -u -o pipefail) with the venv's `moezoo` and `python` first on PATH, offline
   (HF_HUB_OFFLINE=1); ```sh marks commands that are shown, not run (they need the network, a GPU, real data or hours,
-  and the text says so).
+  and the text says so). Each `moezoo` command runs in a process of its own, forked from one that imported the
+  libraries the commands use (`command_server`), not through a fresh interpreter.
 - ```console, ```text, ```json and ```yaml blocks are output or file contents, not run.
 - The runnable blocks of a page run in order in one empty temporary folder, so a later block may use what an earlier
   one wrote (a data file, a model folder).
@@ -14,6 +15,7 @@ outside it: the documentation is read on GitHub and on the Hub), and every docs 
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -61,10 +63,124 @@ def page_params() -> list:
             for page in PAGES]
 
 
-def run_bash(code: str, where: str, cwd: Path) -> None:
-    bin_dir = str(Path(sys.executable).parent)  # the venv's python and moezoo
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# The environment of the pages' bash blocks and of the `moezoo` command server.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+# The command server: it imports the third-party libraries of the `moezoo` commands and the command itself once, then
+# forks one process per command, which takes the client's arguments, working folder, environment and standard streams
+# (their file descriptors, passed over the socket) and sends back its exit status, as the installed script would end.
+# moezoo's own modules are left for each command to import, so a command that misses an import or a registration of
+# its own fails here as in a fresh process. A fresh interpreter's imports cost most of a tiny command (~8 s of CPU).
+COMMAND_SERVER = """
+import json, os, signal, socket, sys, traceback
+
+# imported once here, for the commands (not used by the server itself)
+import accelerate, datasets, matplotlib.pyplot, peft, safetensors.torch, torch, trl
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from moezoo.cli import main
+
+
+# Waited for (with os.WNOHANG: those that have ended), the commands' processes count their CPU time as the server's,
+# as a fresh process's would count as the test's.
+def wait_for_commands(options=0):
+    try:
+        while os.waitpid(-1, options) != (0, 0):
+            pass
+    except ChildProcessError:  # none left
+        pass
+
+
+def stop(*_):
+    wait_for_commands()
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+print("ready", flush=True)
+while True:
+    connection, _ = listener.accept()
+    wait_for_commands(os.WNOHANG)
+    _, streams, _, _ = socket.recv_fds(connection, 1, 3)
+    request = b""
+    while chunk := connection.recv(1 << 16):
+        request += chunk
+    if os.fork():
+        connection.close()
+        for stream in streams:
+            os.close(stream)
+        continue
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    listener.close()
+    for number, stream in enumerate(streams):
+        os.dup2(stream, number)
+        os.close(stream)
+    request = json.loads(request)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = request["argv"]
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as exit:
+        status = exit.code
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    if not isinstance(status, int):  # sys.exit(None) or sys.exit(message), as the interpreter ends
+        if status is not None:
+            print(status, file=sys.stderr)
+        status = 0 if status is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    connection.sendall(str(status).encode())
+    os._exit(status)
+"""
+
+# The `moezoo` of the pages: hands its arguments, folder, environment and streams to the server, exits with the
+# command's status. Standard library only (-IS), so it starts in milliseconds.
+COMMAND_CLIENT = """#!{python} -IS
+import json, os, socket, sys
+
+connection = socket.socket(socket.AF_UNIX)
+connection.connect({address!r})
+socket.send_fds(connection, [b"."], [0, 1, 2])
+connection.sendall(json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}}).encode())
+connection.shutdown(socket.SHUT_WR)
+status = connection.recv(16)
+sys.exit(int(status) if status else "moezoo: the command's process ended without an exit status")
+"""
+
+
+@pytest.fixture(scope="module")
+def command_server(tmp_path_factory):
+    """A folder holding the `moezoo` client, to put first on the pages' PATH, while the command server runs."""
+    folder = tmp_path_factory.mktemp("moezoo_command")
+    address = folder / "server.socket"
+    server = subprocess.Popen([sys.executable, "-c", COMMAND_SERVER, str(address)], env={**os.environ, **OFFLINE},
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert server.stdout.readline() == "ready\n", "the moezoo command server did not start"
+        client = folder / "bin" / "moezoo"
+        client.parent.mkdir()
+        client.write_text(COMMAND_CLIENT.format(python=sys.executable, address=str(address)))
+        client.chmod(0o755)
+        yield client.parent
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a command still running (a block that timed out): it and the server
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def run_bash(code: str, where: str, cwd: Path, command_dir: Path) -> None:
+    bin_dir = str(Path(sys.executable).parent)  # the venv's python (and moezoo, which `command_dir` stands in for)
+    env = {**os.environ, "PATH": os.pathsep.join([str(command_dir), bin_dir, os.environ.get("PATH", "")]), **OFFLINE}
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, (
@@ -74,7 +190,7 @@ def run_bash(code: str, where: str, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("page", page_params())
-def test_page_runs(page, tmp_path, monkeypatch):
+def test_page_runs(page, tmp_path, monkeypatch, command_server):
     """The page's python and bash blocks, in order, in one empty folder, offline (HF_HUB_OFFLINE for this process too:
     huggingface_hub reads it when it is imported, and whether it is offline from its constant)."""
     monkeypatch.chdir(tmp_path)
@@ -86,7 +202,7 @@ def test_page_runs(page, tmp_path, monkeypatch):
         if kind == "python":
             exec(compile(code, where, "exec"), {"__name__": "__docs__"})
         else:
-            run_bash(code, where, tmp_path)
+            run_bash(code, where, tmp_path, command_server)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
