@@ -41,8 +41,9 @@ def test_the_peak_memory_does_not_grow_with_the_depth(sources, converter, verify
 
 
 def check_depth_growth(shallow, deep, verify):
-    if verify:
-        assert shallow.max_abs_diff == deep.max_abs_diff == 0.0  # the verification ran, and found the copy exact
+    if verify:  # the verification ran, and found the copy exact
+        assert 0 <= shallow.max_abs_diff <= MAX_ABS_DIFF.get(deep.converter, 0.0)
+        assert 0 <= deep.max_abs_diff <= MAX_ABS_DIFF.get(deep.converter, 0.0)
     growth = depth_growth(shallow, deep)
     assert growth < MAX_GROWTH, (
         f"{deep.converter}: the peak grew from {shallow.peak_anonymous_bytes / 1e6:.0f} MB (2 layers) to "
@@ -55,7 +56,11 @@ def check_depth_growth(shallow, deep, verify):
 # varies by up to 100 MB from run to run at these widths (90-225 MB measured for 2-, 4- and 8-layer sources, not growing
 # with the depth), more than the two added layers weigh: it is held to the bound without its verification (`moezoo
 # bench conversion --converters omnimoe-vl` measures it).
-OTHER_CONVERTERS = {"mote-llama-text": True, "mote-llama": True, "mote-glm-ocr": True, "omnimoe-vl": False}
+# MoE-ViE's upcycling (SigLIP2 dual encoders, a layer of both towers 12.6 MB) is verified too, not bit-exactly: its
+# experts sum each dense MLP in chunks. Before it streamed: 348 MB (2 layers) -> 688 MB (4 layers), growth 13.5.
+OTHER_CONVERTERS = {"mote-llama-text": True, "mote-llama": True, "mote-glm-ocr": True, "omnimoe-vl": False,
+                    "moe-vie-upcycle": True}
+MAX_ABS_DIFF = {"moe-vie-upcycle": 1e-5}  # float reassociation; the others copy exactly
 
 
 @pytest.fixture(scope="module")

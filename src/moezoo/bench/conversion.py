@@ -22,7 +22,9 @@ import argparse
 import copy
 import ctypes
 import functools
+import gc
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -75,6 +77,12 @@ SIGLIP2_GIANT_PATCH16_384_VISION = dict(
     hidden_size=1536, intermediate_size=6144, num_hidden_layers=40, num_attention_heads=16, image_size=384,
     patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
 )
+_SIGLIP2_BASE_TOWER = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12)
+SIGLIP2_BASE_PATCH16_NAFLEX = dict(
+    text_config=_SIGLIP2_BASE_TOWER | dict(vocab_size=256000, max_position_embeddings=64, projection_size=768),
+    vision_config=_SIGLIP2_BASE_TOWER | dict(num_patches=256, patch_size=16),
+)
+_REDUCED_TOWER = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, projection_size=512)
 SOURCE_KINDS = {
     "qwen3_5_moe": SourceKind("Qwen3_5MoeForConditionalGeneration", ("text_config.num_hidden_layers",),
                               random_tensors=("mlp.gate.weight",)),
@@ -82,6 +90,9 @@ SOURCE_KINDS = {
     "glm_ocr": SourceKind("GlmOcrForConditionalGeneration", ("text_config.num_hidden_layers", "vision_config.depth")),
     "qwen3": SourceKind("Qwen3ForCausalLM"),
     "siglip_vision": SourceKind("SiglipVisionModel"),
+    # every weight random: a tower of zeros embeds every input as the zero vector, which SigLIP normalises into NaN
+    "siglip2": SourceKind("Siglip2Model", ("text_config.num_hidden_layers", "vision_config.num_hidden_layers"),
+                          random_tensors=("weight", "probe")),
 }  # fmt: skip
 
 # The real widths are the releases' (config.json on the Hub; the specs quote them); "-reduced" keeps a layout at widths
@@ -134,9 +145,22 @@ SOURCES = {
     "siglip2_giant": SyntheticSource("siglip_vision", SIGLIP2_GIANT_PATCH16_384_VISION, "1GB"),
     "siglip2_giant-reduced": SyntheticSource("siglip_vision", SIGLIP2_GIANT_PATCH16_384_VISION | _REDUCED_VISION,
                                              "8MB"),
+    # MoE-ViE upcycling (spec moe_vie.md §6.2): a SigLIP2 NaFlex dual encoder at MoE-ViE-B/16's widths (ViT-B: 768
+    # wide, MLPs of 3072, 12 heads; google/siglip2-base-patch16-naflex).
+    "siglip2_base": SyntheticSource("siglip2", SIGLIP2_BASE_PATCH16_NAFLEX, "1GB"),
+    "siglip2_base-reduced": SyntheticSource("siglip2", dict(
+        text_config=SIGLIP2_BASE_PATCH16_NAFLEX["text_config"] | _REDUCED_TOWER | dict(vocab_size=4096),
+        vision_config=SIGLIP2_BASE_PATCH16_NAFLEX["vision_config"] | _REDUCED_TOWER | dict(num_patches=16),
+    ), "8MB"),
 }  # fmt: skip
 DEFAULT_LAYERS = (2, 4)
 SAMPLE_SECONDS = 0.002
+# The child's glibc serves every allocation from this size up with its own mapping, unmapped when freed. By default
+# the threshold rises (up to 32 MB) with the sizes freed, and a verification that runs a model layer by layer at test
+# widths (weights of 1-16 MB, loaded and dropped per layer) then leaves each layer's freed weights on the heap, resident
+# until trimmed: the peak grew with the depth (MoE-ViE's upcycling, 2 -> 6 layers: 0.14 -> 0.26 GB) though the
+# memory in use did not (0.10 GB at every depth with this threshold).
+MMAP_THRESHOLD = 1 << 20
 SOURCE_FILE = "moezoo_bench_source.json"  # beside a synthetic source's config.json: what it was written from
 
 
@@ -261,6 +285,16 @@ def _omnimoe_vl(source: Path, verify: bool) -> dict:
                    max_shard_size=_shard_size(source)).provenance
 
 
+def _moe_vie_upcycle(source: Path, verify: bool) -> dict:
+    from ..conversion.moe_vie_upcycle import upcycle_siglip_folder
+    from ..conversion.streaming import StreamedModel
+    from ..modeling.moe_vie import MoeVieModel
+
+    # the converter of `moezoo convert --to moe_vie` without the processor (the synthetic source has no tokenizer)
+    model = StreamedModel(MoeVieModel, "moezoo-bench-moe-vie-")
+    return upcycle_siglip_folder(source, model.folder, verify=verify, max_shard_size=_shard_size(source))
+
+
 def _vocab_size(source: Path) -> int:
     return transformers.AutoConfig.from_pretrained(source).get_text_config().vocab_size
 
@@ -284,6 +318,7 @@ CONVERTERS: dict[str, BenchConverter] = {
     "omnimoe-vl": BenchConverter(_omnimoe_vl, {"real": "qwen3_8b", "reduced": "qwen3_8b-reduced"}, {
         VISION_FOLDER: {"real": "siglip2_giant", "reduced": "siglip2_giant-reduced"},
     }),
+    "moe-vie-upcycle": BenchConverter(_moe_vie_upcycle, {"real": "siglip2_base", "reduced": "siglip2_base-reduced"}),
 }  # fmt: skip
 
 
@@ -340,8 +375,10 @@ class PeakSampler:
 
 
 def release_freed_memory() -> None:
-    """Hand the allocator's freed pages back to the system, so that one conversion's leftovers do not raise the next
-    one's starting point (glibc keeps small freed blocks)."""
+    """Free what the last conversion left in reference cycles (a loaded model, its hooks) and hand the allocator's freed
+    pages back to the system, so that one conversion's leftovers do not raise the next one's starting point (and,
+    freed during it, lower its peak) (glibc keeps small freed blocks)."""
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc
@@ -384,7 +421,8 @@ def measure_several_in_child(jobs: dict[str, Sequence[Path]], verify: bool, time
                json.dumps({converter: list(map(str, sources)) for converter, sources in jobs.items()})]  # fmt: skip
     if not verify:
         command.append("--no-verify")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
     if done.returncode != 0:
         raise RuntimeError(f"converting with {', '.join(jobs)} failed:\n{done.stderr[-4000:]}")
     return [Measurement(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
