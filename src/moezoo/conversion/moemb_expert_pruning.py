@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..configuration.moemb import MoEmbConfig
 from ..hub.folders import read_provenance
@@ -45,7 +47,18 @@ from ..processors.moemb import MoEmbProcessor
 from ..training.moemb_data import load_mmeb_dataset
 from .common import ConversionResult, option_name
 from .cost import PlannedOutput
-from .dtypes import add_dtype_argument, cast_model, output_dtype
+from .dtypes import add_dtype_argument, output_dtype, saved_tensors
+from .streaming import (
+    Build,
+    ShardWriter,
+    SourceCheckpoint,
+    StreamedModel,
+    TensorGroup,
+    check_plan,
+    copy_as,
+    load_layer_by_layer,
+    stream_groups,
+)
 
 
 SALIENCY_METHODS = {
@@ -215,11 +228,8 @@ def check_keep(config, keep) -> None:
         )
 
 
-@torch.no_grad()
-def keep_experts(model: MoEmbForEmbedding, kept: list[list[int]]) -> None:
-    """Slice every layer's router and experts to the ids of `kept` (one ascending list per layer, all of one length),
-    in place, and record the pruning in the config."""
-    config = model.config
+def check_kept_ids(config: MoEmbConfig, kept: list[list[int]]) -> None:
+    """Fail unless `kept` holds one ascending list of distinct expert ids per layer, all of one length."""
     text = config.text_config
     keep = len(kept[0])
     for layer, ids in enumerate(kept):
@@ -228,8 +238,26 @@ def keep_experts(model: MoEmbForEmbedding, kept: list[list[int]]) -> None:
                 f"kept experts of layer {layer}: {ids} must be {keep} distinct ascending ids below {text.num_experts}, "
                 "as many in every layer"
             )
-    for block, ids in zip(moe_blocks(model), kept, strict=True):
-        index = torch.tensor(ids, device=block.gate.weight.device)
+
+
+def record_pruning(config: MoEmbConfig, kept: list[list[int]]) -> None:
+    """Record in `config`, in place, that each layer keeps the experts of `kept` (in its own numbering)."""
+    text = config.text_config
+    # Ids in the unpruned model's numbering: a pruned model pruned again keeps pointing at the original experts.
+    previous = config.kept_expert_ids or [list(range(text.num_experts))] * text.num_hidden_layers
+    config.kept_expert_ids = [[before[expert] for expert in ids] for before, ids in zip(previous, kept)]
+    config.pruned_from_num_experts = config.pruned_from_num_experts or text.num_experts
+    text.num_experts = len(kept[0])
+    config.validate_fields()
+
+
+def expert_indexed_tensors(model: MoEmbForEmbedding) -> dict[str, int]:
+    """The state-dict names of every tensor expert pruning slices (the routers' and experts' own parameters and
+    buffers, indexed by expert on their first dimension), with their layer; fails on one it would not know how to
+    slice. `model` may be on the `meta` device."""
+    names = {id(module): name for name, module in model.named_modules()}
+    sliced = {}
+    for layer, block in enumerate(moe_blocks(model)):
         for module in (block.gate, block.experts):
             for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if tensor.shape[0] != block.num_experts:
@@ -237,6 +265,22 @@ def keep_experts(model: MoEmbForEmbedding, kept: list[list[int]]) -> None:
                         f"{block.layer_name}: {name} of shape {tuple(tensor.shape)} is not indexed by expert on its "
                         f"first dimension ({block.num_experts} experts); expert pruning does not know how to slice it"
                     )
+                sliced[f"{names[id(module)]}.{name}"] = layer
+    return sliced
+
+
+@torch.no_grad()
+def keep_experts(model: MoEmbForEmbedding, kept: list[list[int]]) -> None:
+    """Slice every layer's router and experts to the ids of `kept` (one ascending list per layer, all of one length),
+    in place, and record the pruning in the config."""
+    config = model.config
+    check_kept_ids(config, kept)
+    expert_indexed_tensors(model)  # every tensor can be sliced, before one is
+    keep = len(kept[0])
+    for block, ids in zip(moe_blocks(model), kept, strict=True):
+        index = torch.tensor(ids, device=block.gate.weight.device)
+        for module in (block.gate, block.experts):
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 sliced = tensor[index].clone()
                 if isinstance(tensor, nn.Parameter):
                     setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
@@ -246,12 +290,7 @@ def keep_experts(model: MoEmbForEmbedding, kept: list[list[int]]) -> None:
         block.gate.reset_counts()
         block.num_experts = keep
         block.spec = replace(block.spec, num_experts=keep)
-    # Ids in the unpruned model's numbering: a pruned model pruned again keeps pointing at the original experts.
-    previous = config.kept_expert_ids or [list(range(text.num_experts))] * text.num_hidden_layers
-    config.kept_expert_ids = [[before[expert] for expert in ids] for before, ids in zip(previous, kept)]
-    config.pruned_from_num_experts = config.pruned_from_num_experts or text.num_experts
-    text.num_experts = keep
-    config.validate_fields()
+    record_pruning(config, kept)
     with torch.device("meta"):
         expected = {key: value.shape for key, value in MoEmbForEmbedding(config).state_dict().items()}
     got = {key: value.shape for key, value in model.state_dict().items()}
@@ -295,31 +334,82 @@ class ExpertPruning:
     def apply(self, model: MoEmbForEmbedding, processor: MoEmbProcessor | None) -> dict:
         """Calibrate, prune `model` in place, and report the method, the kept ids, and how far the embeddings of the
         calibration inputs moved against the unpruned model (`max_abs_diff`, `min_cosine_to_unpruned`)."""
-        if self.method not in SALIENCY_METHODS:
-            raise ValueError(f"{option_name('prune_experts', self.method)} is not one of {', '.join(SALIENCY_METHODS)}")
-        check_keep(model.config, self.keep)
-        if processor is None:
-            raise ValueError(f"{option_name('prune_experts', self.method)} needs a tokenizer to calibrate with; the "
-                             "source has none")  # fmt: skip
-        inputs = calibration_inputs(self.calibration, self.calibration_samples, self.calibration_modalities,
-                                    self.image_root)  # fmt: skip
+        inputs = self._calibration_inputs(model.config, processor)
         saliency = calibrate(model, processor, inputs)
         kept = kept_experts(saliency, self.method, self.keep)
         before = _embeddings(model, processor, inputs)
         keep_experts(model, kept)
-        after = _embeddings(model, processor, inputs)
+        return self._report(model.config, inputs, saliency, before, _embeddings(model, processor, inputs))
+
+    def write(self, source: Path, output: Path, processor: MoEmbProcessor | None, dtype: torch.dtype,
+              max_shard_size: int | str = "5GB") -> dict:  # fmt: skip
+        """`apply` from the MoEMB folder `source` into the folder `output` (config.json and safetensors, in `dtype`),
+        the model never loaded whole: the calibration and both measurements of the embeddings run the model layer by
+        layer (`streaming.load_layer_by_layer`), and the pruned tensors are written as the source is read, one tensor
+        and one output shard at a time."""
+        config = MoEmbConfig.from_pretrained(source)
+        inputs = self._calibration_inputs(config, processor)
+        checkpoint = SourceCheckpoint(source, "the MoEMB source")
+        with tempfile.TemporaryDirectory(prefix="moemb-expert-pruning-") as offload:
+            model = load_layer_by_layer(MoEmbForEmbedding, source, Path(offload) / "source", dtype=dtype)
+            saliency = calibrate(model, processor, inputs)
+            kept = kept_experts(saliency, self.method, self.keep)
+            before = _embeddings(model, processor, inputs)
+            with torch.device("meta"):
+                sliced = expert_indexed_tensors(MoEmbForEmbedding(config))
+            del model
+            check_kept_ids(config, kept)
+            record_pruning(config, kept)
+            with torch.device("meta"):
+                pruned = MoEmbForEmbedding(config)
+            groups = [TensorGroup((key,), _expert_slice(key, kept[sliced[key]])) if key in sliced else copy_as(key, key)
+                      for key in checkpoint.shapes]  # fmt: skip
+            expected = {key: tuple(tensor.shape) for key, tensor in pruned.state_dict().items()}
+            check_plan([checkpoint], groups, (), expected, "the pruned MoEMB model")
+            kept_in_float32 = {name for name, _, float32_kept in saved_tensors(pruned) if float32_kept}
+            writer = ShardWriter(output, convert_file_size_to_int(max_shard_size), dtype)
+            for key, tensor in stream_groups([checkpoint], groups):
+                writer.add(key, tensor, cast=key not in kept_in_float32)
+            writer.finish()
+            config.architectures = [MoEmbForEmbedding.__name__]
+            config.dtype = dtype
+            config.save_pretrained(output)
+            model = load_layer_by_layer(MoEmbForEmbedding, output, Path(offload) / "pruned", dtype=dtype)
+            after = _embeddings(model, processor, inputs)
+        return self._report(config, inputs, saliency, before, after)
+
+    def _calibration_inputs(self, config: MoEmbConfig, processor: MoEmbProcessor | None) -> list[dict]:
+        """The options checked against the model's config, then the calibration inputs."""
+        if self.method not in SALIENCY_METHODS:
+            raise ValueError(f"{option_name('prune_experts', self.method)} is not one of {', '.join(SALIENCY_METHODS)}")
+        check_keep(config, self.keep)
+        if processor is None:
+            raise ValueError(f"{option_name('prune_experts', self.method)} needs a tokenizer to calibrate with; the "
+                             "source has none")  # fmt: skip
+        return calibration_inputs(self.calibration, self.calibration_samples, self.calibration_modalities,
+                                  self.image_root)  # fmt: skip
+
+    def _report(self, pruned_config: MoEmbConfig, inputs: list, saliency: list[ExpertSaliency], before: torch.Tensor,
+                after: torch.Tensor) -> dict:  # fmt: skip
         return {
             "method": self.method,
             "score": SALIENCY_METHODS[self.method],
             "keep": self.keep,
-            "pruned_from_num_experts": model.config.pruned_from_num_experts,
-            "kept_expert_ids": model.config.kept_expert_ids,
+            "pruned_from_num_experts": pruned_config.pruned_from_num_experts,
+            "kept_expert_ids": pruned_config.kept_expert_ids,
             "calibration": {"source": str(self.calibration), "inputs": len(inputs),
                             "modalities": list(self.calibration_modalities),
                             "tokens_per_layer": saliency[0].num_tokens},  # fmt: skip
             "max_abs_diff": float((after - before).abs().max()),
             "min_cosine_to_unpruned": float(F.cosine_similarity(after, before, dim=-1).min()),
         }
+
+
+def _expert_slice(key: str, ids: list[int]) -> Build:
+    def build(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+        return {key: tensors[key][torch.tensor(ids, device=device)]}
+
+    return build
 
 
 @torch.no_grad()
@@ -353,6 +443,8 @@ def add_pruning_arguments(parser: argparse.ArgumentParser, required: bool = Fals
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pruning_arguments(parser, required=True)
     add_dtype_argument(parser)
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="the largest output shard, which the pruning holds in memory before writing it")
 
 
 def pruned_config(config: MoEmbConfig, keep: int) -> MoEmbConfig:
@@ -376,14 +468,14 @@ def plan_output(source: Path, **options) -> PlannedOutput:
     return PlannedOutput(pruned_config(MoEmbConfig.from_pretrained(source), keep), (Path(source),))
 
 
-def convert(source: Path, dtype: str | None = None, **options) -> ConversionResult:
-    """The converter behind the command for a MoEMB source: prune its experts into a new folder, in `dtype` (default:
-    the source's)."""
+def convert(source: Path, dtype: str | None = None, max_shard_size: str = "5GB", **options) -> ConversionResult:
+    """The converter behind the command for a MoEMB source: prune its experts into a temporary folder (the result's
+    `StreamedModel`, which `moezoo convert` moves into its output), in `dtype` (default: the source's), the model
+    run layer by layer and never loaded whole (`ExpertPruning.write`)."""
     pruning = _requested_pruning(options)
-    model = MoEmbForEmbedding.from_pretrained(source, dtype="auto").eval()
-    cast_model(model, output_dtype(dtype, model))
     processor = MoEmbProcessor.from_pretrained(source)
-    report = pruning.apply(model, processor)
+    model = StreamedModel(MoEmbForEmbedding, "moemb-expert-pruning-")
+    report = pruning.write(Path(source), model.folder, processor, output_dtype(dtype, Path(source)), max_shard_size)
     source_provenance = read_provenance(source)
     provenance = {
         "source": str(source),

@@ -21,8 +21,8 @@ Memory: the source is read shard by shard with `safetensors.safe_open` and writt
 of one output group (one layer's experts at most) and one output shard are held at a time. Before any data is read,
 the whole plan is checked on the `meta` device from the shard headers: source type, missing or unknown tensors,
 shapes. The converted folder is never loaded whole: the verification runs the source and the conversion layer by layer
-(`streaming.load_layer_by_layer`), so its memory does not grow with the depth either; expert pruning
-(`--prune-experts`) loads the converted model.
+(`streaming.load_layer_by_layer`), so its memory does not grow with the depth either; nor does expert pruning's
+(`--prune-experts`), whose calibration runs the conversion layer by layer too.
 
 A converted folder holds `config.json`, the weights, and (when the source has a tokenizer) the tokenizer with
 `<emb>` plus the source's `preprocessor_config.json`, `video_preprocessor_config.json` and chat template, which
@@ -583,9 +583,9 @@ def convert(source: Path, variant: str = "native", verify: bool = True, **option
     """The converter behind the command: stream the conversion into a temporary folder (the result's `StreamedModel`,
     which `moezoo convert` moves into its output) and measure it against the source model, both run layer by layer.
     The processor is a `MoEmbProcessor` around the converted tokenizer (with `<emb>`). With `prune_experts` (and
-    `keep`, `calibration`), the converted model is loaded and its experts pruned
-    (`moezoo.conversion.moemb_expert_pruning`), and max |Δ| is that of the calibration embeddings against the unpruned
-    conversion where it is larger."""
+    `keep`, `calibration`), the conversion's experts are pruned into a second folder, the model again run layer by
+    layer (`moezoo.conversion.moemb_expert_pruning`), and max |Δ| is that of the calibration embeddings against the
+    unpruned conversion where it is larger."""
     pruning = ExpertPruning.pop_from(options)
     model = StreamedModel(MoEmbForEmbedding, "moemb-conversion-")
     report = convert_qwen3_5_checkpoint(source, model.folder, variant, **options)
@@ -602,8 +602,10 @@ def convert(source: Path, variant: str = "native", verify: bool = True, **option
     }
     processor = None if tokenizer is None else make_moemb_processor(model.config, tokenizer=tokenizer)
     if pruning is not None:
-        model = model.load(dtype=getattr(torch, report["dtype"]))
-        report["expert_pruning"] = pruning.apply(model, processor)
+        pruned = StreamedModel(MoEmbForEmbedding, "moemb-expert-pruning-")
+        report["expert_pruning"] = pruning.write(model.folder, pruned.folder, processor, getattr(torch, report["dtype"]),
+                                                 options.get("max_shard_size", "5GB"))
+        model = pruned
         pruning_difference = report["expert_pruning"]["max_abs_diff"]
         differences = (differences or {}) | {"embeddings_after_expert_pruning": pruning_difference}
         report |= {"max_abs_diff": max(differences.values()), "max_abs_diff_by_output": differences}
