@@ -80,8 +80,10 @@ def test_routing_statistics_by_group_and_heatmap(tmp_path):
         stats.set_groups(torch.full((2, 2), 5))
 
 
-def test_router_learns_to_route_modalities_to_their_own_experts():
-    """The learning test behind the demo: after a short training each expert serves mostly one modality."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_router_learns_to_route_modalities_to_their_own_experts(precision):
+    """The learning test behind the demo: after a short training each expert serves mostly one modality; also with
+    each training forward under bf16 autocast (the Trainer's `--bf16`; `test_mixed_precision`)."""
     task, model = small_model(feature_dim=32, hidden_size=64, num_experts=12, expert_intermediate_size=64)
     held_out = task.batch(32, 16, torch.Generator().manual_seed(99))
 
@@ -101,7 +103,8 @@ def test_router_learns_to_route_modalities_to_their_own_experts():
     generator = torch.Generator().manual_seed(0)
     for _ in range(250):
         batch = task.batch(16, 16, generator)
-        loss = masked_mse(model(batch.features, batch.attention_mask)[0], batch.targets, batch.attention_mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = masked_mse(model(batch.features, batch.attention_mask)[0], batch.targets, batch.attention_mask)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -123,13 +123,15 @@ def test_train_command_rejects_missing_columns_and_tiny_datasets(tiny, tmp_path)
 
 
 @pytest.mark.slow
-def test_tiny_moe_vie_learns_coloured_shapes(tiny, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiny_moe_vie_learns_coloured_shapes(tiny, tmp_path, precision):
     """InfoNCE from scratch on 8 classes of synthetic coloured shapes: the image->text top-1 on training images
-    rises far above chance (1/8), and the balancing keeps every expert in use."""
+    rises far above chance (1/8), and the balancing keeps every expert in use; also with every forward under bf16
+    autocast (the Trainer's `--bf16`; `test_mixed_precision`)."""
     data = shapes()
     dataset = data.image_text_dataset(2048, torch.Generator().manual_seed(0))
     options = MoeVieTrainingOptions(steps=500, batch_size=32, learning_rate=2e-3, weight_decay=0.0, warmup_steps=20,
-                                    logging_steps=25)
+                                    logging_steps=25, training_args={"bf16": precision == "bf16"})
     training = train_moe_vie(tiny, dataset, tmp_path / "trained", options)
     model = MoeVieModel.from_pretrained(tmp_path / "trained")
     processor = MoeVieProcessor.from_pretrained(tmp_path / "trained")

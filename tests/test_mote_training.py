@@ -4,6 +4,7 @@ set, expert addition, TRL's SFTTrainer, `moezoo train mote`, the synthetic proce
 (active compute flat in the number of stored experts)."""
 
 import argparse
+import copy
 import json
 from collections import Counter
 
@@ -236,14 +237,17 @@ def dense_and_mote(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_task_experts_learn_what_one_dense_model_cannot_and_a_new_expert_leaves_them_bit_identical(
-    dense_and_mote, tmp_path
+    dense_and_mote, tmp_path, precision
 ):
-    dense, mote = dense_and_mote
+    """Also with every training forward under bf16 autocast (the Trainer's `--bf16`; `test_mixed_precision`); the
+    bit-identity checks compare fp32 forwards, outside autocast, as before."""
+    dense, mote = (copy.deepcopy(model) for model in dense_and_mote)  # each precision trains from the same start
     tasks = {t: permutation_task(t) for t in range(3)}
     data = permutation_rows(tasks, copies=16)
     arguments = dict(max_steps=150, per_device_train_batch_size=32, learning_rate=1e-2, weight_decay=0.0,
-                     lr_scheduler_type="constant", seed=0, logging_steps=50)
+                     lr_scheduler_type="constant", seed=0, logging_steps=50, bf16=precision == "bf16")
     dense_data = data.remove_columns("task_ids")
     Trainer(model=dense, args=quiet_arguments(tmp_path, **arguments), train_dataset=dense_data).train()
     trainer = MoteTrainer(model=mote, args=quiet_arguments(tmp_path, **arguments), train_dataset=data)

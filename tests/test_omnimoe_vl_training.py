@@ -407,15 +407,19 @@ def test_train_with_lora_merges_the_adapters_into_the_stages_experts(data_file, 
 # -------------------------------------------------------------------------------------- §9.11 and §9.12 learning
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_fixed_depth_that_carries_the_answer_is_learned_and_routed_to(seed):
-    """§9.11: with exploration, accuracy >= 0.95 and argmax(mean w) == s* within 150 steps."""
+@pytest.mark.parametrize(("seed", "precision"), [(0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16")])
+def test_a_fixed_depth_that_carries_the_answer_is_learned_and_routed_to(seed, precision):
+    """§9.11: with exploration, accuracy >= 0.95 and argmax(mean w) == s* within 150 steps; also with training and
+    evaluation under bf16 autocast (the Trainer's `--bf16`; `test_mixed_precision`), one seed of the three."""
     torch.manual_seed(seed)
     steps = 150
     model = OmniMoeVlForConditionalGeneration(depth_task_config(exploration_steps=int(0.6 * steps)))
     task = DepthTask(selected_stream=2)
-    history = train_depth_task(model, task, steps, seed=seed, eval_every=10,
-                               stop=lambda result: answers_from_the_depth(result, task.selected_stream))  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        history = train_depth_task(
+            model, task, steps, seed=seed, eval_every=10,
+            stop=lambda result: answers_from_the_depth(result, task.selected_stream),
+        )  # fmt: skip
     assert answers_from_the_depth(history[-1], task.selected_stream), history
 
 

@@ -338,9 +338,11 @@ def mean_msi(model, batches, modality, num_experts: int, top_k: int) -> float:
     return sum(msi) / len(msi)
 
 
-def test_moemb_learns_modality_specialisation_with_smoes(tiny_moemb):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moemb_learns_modality_specialisation_with_smoes(tiny_moemb, precision):
     """Six InfoNCE steps on the synthetic image -> caption retrieval, routers trained: with SMoES the queries' MI
-    rises and the MSI of held-out queries ends above the run without it."""
+    rises and the MSI of held-out queries ends above the run without it; also with each forward and the loss under
+    bf16 autocast (the Trainer's `--bf16`; `test_mixed_precision`)."""
     from moezoo.processors.moemb import MoEmbProcessor
     from moezoo.training.moemb import MoEmbCollator, info_nce_loss, load_mmeb_dataset
     from moezoo.training.moemb_synthetic import ShapeRetrieval
@@ -353,8 +355,9 @@ def test_moemb_learns_modality_specialisation_with_smoes(tiny_moemb):
     held_out = collator([data[i] for i in range(48, 64)])["query"]
 
     def loss_of(model, batch):
-        queries, targets = model(**batch["query"][0]), model(**batch["target"][0])
-        loss = info_nce_loss(queries.embeddings, targets.embeddings, model.config.logit_scale)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            queries, targets = model(**batch["query"][0]), model(**batch["target"][0])
+            loss = info_nce_loss(queries.embeddings, targets.embeddings, model.config.logit_scale)
         if queries.aux_loss is None:
             return loss, None
         return loss + queries.aux_loss + targets.aux_loss, queries.smoes_mi.mean().item()
